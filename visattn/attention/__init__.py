@@ -1,0 +1,31 @@
+"""Attention variants behind one registry; this package depends on torch and timm only."""
+
+from . import mha  # noqa: F401  (registers mha, moh, gqa, mqa)
+from .base import HeadAttention
+from .model_utils import (
+    active_heads,
+    attention_modules,
+    attention_stats,
+    aux_loss,
+    convert_moh_state_dict,
+    expand_per_layer,
+    swap_attention,
+)
+from .registry import build_attention, get_attention_class, list_attentions, register_attention
+from .routing import HeadRouter
+
+__all__ = [
+    "HeadAttention",
+    "HeadRouter",
+    "active_heads",
+    "attention_modules",
+    "attention_stats",
+    "aux_loss",
+    "build_attention",
+    "convert_moh_state_dict",
+    "expand_per_layer",
+    "get_attention_class",
+    "list_attentions",
+    "register_attention",
+    "swap_attention",
+]

@@ -1,0 +1,179 @@
+"""The multi-head attention every variant builds on, with timm's constructor and parameter names.
+
+``HeadAttention`` is standard multi-head self-attention through ``F.scaled_dot_product_attention``
+(grouped key/value heads when ``num_kv_heads < num_heads``), and takes Mixture-of-Head routing as
+a capability: give it ``routed_topk`` (and ``shared_heads``) and a ``HeadRouter`` weights each
+head's output per token before the output projection. Variants change how heads attend by
+overriding ``attend``; routing, projections and the timm contract stay here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .routing import HeadRouter
+
+
+def resolve_head_dim(dim: int, num_heads: int, head_dim: int | None, attn_head_dim: int | None) -> int:
+    """Head width: explicit ``head_dim`` (ours) or ``attn_head_dim`` (timm's name), else dim / heads."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads={num_heads} must be >= 1")
+    if head_dim is not None and attn_head_dim is not None and head_dim != attn_head_dim:
+        raise ValueError(f"head_dim={head_dim} and attn_head_dim={attn_head_dim} disagree; give one of them")
+    head_dim = head_dim if head_dim is not None else attn_head_dim
+    if head_dim is None:
+        if dim % num_heads:
+            raise ValueError(
+                f"dim={dim} is not divisible by num_heads={num_heads}; choose num_heads among the divisors "
+                f"of {dim} or give head_dim explicitly"
+            )
+        head_dim = dim // num_heads
+    if head_dim < 1:
+        raise ValueError(f"head_dim={head_dim} must be >= 1")
+    return head_dim
+
+
+class HeadAttention(nn.Module):
+    """Multi-head self-attention. x: [B, N, C] -> [B, N, dim_out].
+
+    Args (timm's ``Attention`` keywords, plus ours):
+        num_kv_heads: key/value heads (GQA); ``None`` = ``num_heads`` (MHA), 1 = MQA.
+        head_dim / attn_head_dim: per-head width; the inner width ``num_heads * head_dim`` may differ
+            from ``dim`` (MoH-DiT-XL uses 72).
+        shared_heads, routed_topk, two_stage, router, gate: Mixture-of-Head routing
+            (see ``HeadRouter``); routing is on when ``routed_topk`` is given.
+        layer_idx, depth: position of the layer, for variants whose initialisation depends on it.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        head_dim: int | None = None,
+        attn_head_dim: int | None = None,
+        dim_out: int | None = None,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale_norm: bool = False,
+        proj_bias: bool = True,
+        gated: bool = False,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+        shared_heads: int | None = None,
+        routed_topk: int | None = None,
+        two_stage: bool | None = None,
+        router: str = "linear",
+        gate: str = "soft",
+        layer_idx: int | None = None,
+        depth: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.head_dim = resolve_head_dim(dim, num_heads, head_dim, attn_head_dim)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not 1 <= num_kv_heads <= num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (1 = MQA, {num_heads} = MHA)"
+            )
+        if (qk_norm or scale_norm) and norm_layer is None:
+            norm_layer = nn.LayerNorm
+        self.dim = dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.attn_dim = num_heads * self.head_dim
+        self.kv_dim = num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.layer_idx = layer_idx
+        self.depth = depth
+
+        self.qkv = nn.Linear(dim, self.attn_dim + 2 * self.kv_dim, bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.norm = norm_layer(self.attn_dim, **dd) if scale_norm else nn.Identity()
+        self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
+        self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        if routed_topk is None and shared_heads is not None:
+            raise ValueError(f"shared_heads={shared_heads} was given without routed_topk; give both to route heads")
+        self.router = (
+            HeadRouter(dim, num_heads, shared_heads or 0, routed_topk, two_stage, router, gate, **dd)
+            if routed_topk is not None
+            else None
+        )
+        # Per-forward statistics for load plots (detached); see visattn.attention_stats.
+        self.stats: dict[str, torch.Tensor] = {}
+
+    @property
+    def active_heads(self) -> tuple[int, int]:
+        """(heads active per token, heads) of this layer."""
+        active = self.router.active_heads if self.router is not None else self.num_heads
+        return active, self.num_heads
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """Load-balancing loss of the last training forward, or None when the layer does not route."""
+        return self.router.aux_loss if self.router is not None else None
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, N, C] -> q [B, H, N, d], k and v [B, H_kv, N, d]."""
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).split([self.attn_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return self.q_norm(q), self.k_norm(k), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """Per-head attention. q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.attn_drop.p if self.training else 0.0,
+            is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+
+    def merge_heads(self, x: torch.Tensor, heads: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        """heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
+        B, _, N, _ = heads.shape
+        if gates is not None:
+            heads = heads * gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
+        out = heads.transpose(1, 2).reshape(B, N, self.attn_dim)
+        out = self.norm(out)
+        if self.gate is not None:
+            out = out * self.gate(x).sigmoid()
+        return self.proj_drop(self.proj(out))
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """x: [B, N, C]; attn_mask broadcastable to [B, H, N, N] (bool: True = attend) -> [B, N, dim_out]."""
+        q, k, v = self.project_qkv(x)
+        gates = None
+        if self.router is not None:
+            gates, _ = self.router(x, q)
+            self.stats["head_load"] = self.router.head_load
+        heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        return self.merge_heads(x, heads, gates)
+
+    def extra_repr(self) -> str:
+        kv = f", kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return f"dim={self.dim}, heads={self.num_heads}, head_dim={self.head_dim}{kv}"

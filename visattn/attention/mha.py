@@ -1,0 +1,48 @@
+"""Standard multi-head attention (MHA), Mixture-of-Head attention (MoH), and MQA/GQA."""
+
+from __future__ import annotations
+
+from .base import HeadAttention
+from .registry import register_attention
+from .routing import default_budget
+
+
+@register_attention("mha")
+class MultiHeadAttention(HeadAttention):
+    """Plain multi-head attention; equals timm's ``Attention`` with the same weights."""
+
+
+@register_attention("moh")
+class MoHAttention(HeadAttention):
+    """Mixture-of-Head attention: shared heads always on, ``routed_topk`` of the rest per token.
+
+    Without a budget it uses half the heads as shared and routes half of the remaining pool.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 8, *, shared_heads: int | None = None,
+                 routed_topk: int | None = None, **kwargs) -> None:
+        if routed_topk is None:
+            shared_heads, routed_topk = default_budget(num_heads, shared_heads)
+        super().__init__(dim, num_heads, shared_heads=shared_heads or 0, routed_topk=routed_topk, **kwargs)
+
+
+@register_attention("gqa")
+class GroupedQueryAttention(HeadAttention):
+    """Grouped-query attention: ``num_kv_heads`` key/value heads shared by groups of query heads
+    (default: half the query heads)."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *, num_kv_heads: int | None = None, **kwargs) -> None:
+        if num_kv_heads is None:
+            num_kv_heads = max(1, num_heads // 2) if num_heads % 2 == 0 else num_heads
+        super().__init__(dim, num_heads, num_kv_heads=num_kv_heads, **kwargs)
+
+
+@register_attention("mqa")
+class MultiQueryAttention(HeadAttention):
+    """Multi-query attention: one key/value head for all query heads."""
+
+    def __init__(self, dim: int, num_heads: int = 8, **kwargs) -> None:
+        if kwargs.get("num_kv_heads", 1) != 1:
+            raise ValueError(f"mqa has exactly one key/value head; got num_kv_heads={kwargs['num_kv_heads']}, use gqa")
+        kwargs.pop("num_kv_heads", None)
+        super().__init__(dim, num_heads, num_kv_heads=1, **kwargs)

@@ -1,0 +1,143 @@
+"""Model-level helpers: collect routing losses and head counts, swap attention in timm models,
+and load the released MoH checkpoints."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from timm.layers import Attention as TimmAttention
+
+from .base import HeadAttention
+from .registry import build_attention, get_attention_class
+
+PerLayer = Sequence[Mapping[str, Any]] | Callable[[int], Mapping[str, Any]] | None
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every attention layer in forward order: ours and timm's ``Attention``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (HeadAttention, TimmAttention))]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """Mean load-balancing loss over the layers that routed in their last training forward
+    (a zero scalar when none did). The training loss adds ``beta * aux_loss(model)``."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, HeadAttention) and m.aux_loss is not None]
+    if not losses:
+        param = next(model.parameters(), None)
+        return torch.zeros((), device=param.device if param is not None else None)
+    return torch.stack([loss.float() for loss in losses]).mean()
+
+
+def active_heads(model: nn.Module) -> tuple[int, int]:
+    """(heads active per token, heads), each summed over the model's attention layers."""
+    active = total = 0
+    for _, m in attention_modules(model):
+        a, t = m.active_heads if isinstance(m, HeadAttention) else (m.num_heads, m.num_heads)
+        active += a
+        total += t
+    return active, total
+
+
+def attention_stats(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per layer, the statistics of its last forward (e.g. ``head_load``: [B, H] fraction of each
+    sample's tokens that used each head)."""
+    return [dict(m.stats) for _, m in attention_modules(model) if isinstance(m, HeadAttention)]
+
+
+def _layer_kwargs(per_layer: PerLayer, idx: int, depth: int) -> dict[str, Any]:
+    if per_layer is None:
+        return {}
+    if callable(per_layer):
+        return dict(per_layer(idx))
+    if len(per_layer) != depth:
+        raise ValueError(f"per_layer has {len(per_layer)} entries but the model has {depth} attention layers")
+    return dict(per_layer[idx])
+
+
+def _timm_config(old: nn.Module) -> dict[str, Any]:
+    """Constructor keywords that rebuild ``old`` (timm's Attention or ours) with the same shapes."""
+    cfg: dict[str, Any] = {
+        "num_heads": old.num_heads,
+        "head_dim": old.head_dim,
+        "dim_out": old.proj.out_features,
+        "qkv_bias": old.qkv.bias is not None,
+        "proj_bias": old.proj.bias is not None,
+        "attn_drop": old.attn_drop.p,
+        "proj_drop": old.proj_drop.p,
+        "gated": getattr(old, "gate", None) is not None,
+    }
+    if not isinstance(old.q_norm, nn.Identity):
+        cfg.update(qk_norm=True, norm_layer=type(old.q_norm))
+    if not isinstance(old.norm, nn.Identity):
+        cfg.update(scale_norm=True, norm_layer=type(old.norm))
+    return cfg
+
+
+def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kwargs) -> nn.Module:
+    """Replace every attention layer of a timm model (timm's ``Attention`` or ours) by ``name``.
+
+    Weights are copied wherever names and shapes agree (qkv, proj, norms), so swapping ``mha`` leaves
+    the model's outputs unchanged and swapping ``moh`` keeps the pretrained projections; new
+    parameters (routers) keep their fresh initialisation. ``per_layer`` gives extra keywords per
+    layer: a list with one dict per attention layer, or a callable ``layer_idx -> dict``.
+    """
+    get_attention_class(name)  # fail on an unknown name before touching the model
+    layers = attention_modules(model)
+    depth = len(layers)
+    for idx, (path, old) in enumerate(layers):
+        cfg = {**_timm_config(old), **kwargs, **_layer_kwargs(per_layer, idx, depth)}
+        cfg.setdefault("layer_idx", idx)
+        cfg.setdefault("depth", depth)
+        ref = old.qkv.weight
+        new = build_attention(name, old.qkv.in_features, device=ref.device, dtype=ref.dtype, **cfg)
+        own = new.state_dict()
+        copied = {k: v for k, v in old.state_dict().items() if k in own and own[k].shape == v.shape}
+        new.load_state_dict(copied, strict=False)
+        new.train(old.training)
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
+    return model
+
+
+_RELEASED_ROUTER_KEYS = {"wg": "router.routed", "wg_0": "router.mix", "wg_1": "router.shared"}
+_RELEASED_KEY = re.compile(r"(^|\.)(wg|wg_0|wg_1)\.weight$")
+
+
+def convert_moh_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename the released MoH code's router weights (``wg``, ``wg_0``, ``wg_1`` under any prefix)
+    to ours (``router.routed``, ``router.mix``, ``router.shared``); other keys pass unchanged."""
+
+    def rename(key: str) -> str:
+        m = _RELEASED_KEY.search(key)
+        if m is None:
+            return key
+        return key[: m.start(2)] + _RELEASED_ROUTER_KEYS[m.group(2)] + ".weight"
+
+    return {rename(k): v for k, v in state_dict.items()}
+
+
+
+def expand_per_layer(name: str, kwargs: Mapping[str, Any], depth: int, unit: str = "layer") -> list[dict[str, Any]]:
+    """Split an attention spec into one kwargs dict per layer (or per stage, ``unit="stage"``).
+
+    A list or tuple value gives one entry per layer and must have exactly ``depth`` entries; a
+    scalar applies to every layer. Keywords that take a sequence themselves (a class's
+    ``list_kwargs``, e.g. ``head_dims``) are per-layer only when given as a list of sequences.
+    """
+    list_valued = set(getattr(get_attention_class(name), "list_kwargs", ()))
+    layers: list[dict[str, Any]] = [{} for _ in range(depth)]
+    for key, value in kwargs.items():
+        seq = isinstance(value, (list, tuple))
+        per_layer = seq and (key not in list_valued or (len(value) > 0 and isinstance(value[0], (list, tuple))))
+        if per_layer and len(value) != depth:
+            raise ValueError(
+                f"attn.{key} has {len(value)} entries but the model has {depth} {unit}s; "
+                f"give one value per {unit} or a single value for all"
+            )
+        for i in range(depth):
+            layers[i][key] = value[i] if per_layer else value
+    return layers

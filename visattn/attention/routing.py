@@ -1,0 +1,177 @@
+"""Mixture-of-Head routing: per-token weights over attention heads (MoH, arXiv 2410.11842).
+
+The router turns tokens ``x: [B, N, C]`` into gates ``[B, N, H]`` that weight each head's output
+before the output projection. Heads ``0 .. shared_heads-1`` are always on; the remaining pool of
+``E = H - shared_heads`` heads is routed, ``routed_topk`` of them per token.
+
+Scales follow the released MoH code, so its checkpoints give the same outputs:
+routed gates are renormalised over the chosen heads and multiplied by ``k``, shared gates by
+``shared_heads``, and the two-stage weights ``[alpha1, alpha2]`` by 2, so every active head weighs
+about 1 at initialisation. A layer with ``routed_topk=0`` is dense: every head on, with soft
+per-token weights (softmax over heads, times H).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROUTERS = ("linear", "l2norm")
+GATES = ("soft", "binary_ste")
+
+
+def validate_budget(num_heads: int, shared_heads: int, routed_topk: int) -> None:
+    """Raise ValueError unless (shared_heads, routed_topk) is a valid budget for num_heads heads."""
+    if not 0 <= shared_heads <= num_heads:
+        raise ValueError(f"shared_heads={shared_heads} must be in [0, num_heads={num_heads}]")
+    pool = num_heads - shared_heads
+    if routed_topk == 0:
+        if shared_heads != num_heads:
+            raise ValueError(
+                f"routed_topk=0 makes the layer dense (every head on, soft weights), so shared_heads "
+                f"must equal num_heads={num_heads}, got {shared_heads}; or set routed_topk in [1, {pool}]"
+            )
+        return
+    if not 1 <= routed_topk <= pool:
+        raise ValueError(
+            f"routed_topk={routed_topk} is outside [0, {pool}]: the routed pool is num_heads - shared_heads "
+            f"= {num_heads} - {shared_heads} = {pool} heads"
+        )
+
+
+def default_budget(num_heads: int, shared_heads: int | None = None) -> tuple[int, int]:
+    """MoH's budget when none is given: half the heads shared, half of the remaining pool routed."""
+    shared = num_heads // 2 if shared_heads is None else shared_heads
+    pool = num_heads - shared
+    return shared, (max(1, pool // 2) if pool > 0 else 0)
+
+
+class HeadRouter(nn.Module):
+    """Per-token head gates for ``num_heads`` heads.
+
+    Args:
+        dim: token width C seen by the router.
+        num_heads: H.
+        shared_heads: always-on heads (the first ones by index).
+        routed_topk: routed heads chosen per token; 0 makes the layer dense with soft weights.
+        two_stage: weight shared vs routed heads per token by ``softmax(W_h x) * 2``.
+        router: ``"linear"`` (learned logits ``W_r x``) or ``"l2norm"`` (parameter-free: the l2 norm
+            of each routed head's query, for continue-tuning a pretrained MHA model).
+        gate: ``"soft"`` (weighted sum) or ``"binary_ste"`` (exact 0/1 gates forward,
+            straight-through gradients to the soft scores backward).
+
+    Parameter names: ``routed`` (the release's ``wg``), ``mix`` (``wg_0``), ``shared`` (``wg_1``).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        shared_heads: int,
+        routed_topk: int,
+        two_stage: bool | None = None,
+        router: str = "linear",
+        gate: str = "soft",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"router={router!r} is not known; use one of {ROUTERS}")
+        if gate not in GATES:
+            raise ValueError(f"gate={gate!r} is not known; use one of {GATES}")
+        validate_budget(num_heads, shared_heads, routed_topk)
+        learned_mix = router == "linear" and gate == "soft"
+        if two_stage is None:
+            two_stage = learned_mix
+        if two_stage and not learned_mix:
+            raise ValueError(
+                f"two_stage=True needs router='linear' and gate='soft' (got router={router!r}, gate={gate!r}): "
+                "the l2norm router has no parameters and binary gates are exactly 0/1; set two_stage=False"
+            )
+        if router == "l2norm" and routed_topk == 0:
+            raise ValueError("router='l2norm' routes heads; routed_topk=0 (dense soft weights) needs router='linear'")
+        self.num_heads = num_heads
+        self.shared_heads = shared_heads
+        self.routed_topk = routed_topk
+        self.pool = num_heads - shared_heads if routed_topk > 0 else 0
+        self.router_kind = router
+        self.gate_mode = gate
+        self.two_stage = two_stage and shared_heads > 0 and routed_topk > 0
+        dd = {"device": device, "dtype": dtype}
+        linear = router == "linear"
+        self.routed = nn.Linear(dim, self.pool, bias=False, **dd) if linear and self.pool > 0 else None
+        self.mix = nn.Linear(dim, 2, bias=False, **dd) if self.two_stage else None
+        self.shared = nn.Linear(dim, shared_heads, bias=False, **dd) if linear and shared_heads > 1 else None
+        # Set by forward, read by visattn.aux_loss / attention_stats; per instance, never shared.
+        self.aux_loss: torch.Tensor | None = None
+        self.head_load: torch.Tensor | None = None
+
+    @property
+    def active_heads(self) -> int:
+        return self.shared_heads + self.routed_topk
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, shared={self.shared_heads}, topk={self.routed_topk}, "
+            f"router={self.router_kind}, gate={self.gate_mode}, two_stage={self.two_stage}"
+        )
+
+    def _shared_gates(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, shared_heads]: softmax(W_s x) * hs, or 1 for a single shared head."""
+        if self.shared is None:
+            return x.new_ones(*x.shape[:2], self.shared_heads)
+        soft = F.softmax(self.shared(x).float(), dim=-1) * self.shared_heads
+        if self.gate_mode == "binary_ste":
+            return 1.0 + (soft - soft.detach())  # exactly 1 forward
+        return soft
+
+    def _routed_gates(self, x: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed pool gates [B, N, E] and the boolean selection [B, N, E]."""
+        if self.router_kind == "linear":
+            scores = self.routed(x).float()
+        else:
+            if q is None:
+                raise ValueError("router='l2norm' needs the queries: call forward(x, q)")
+            scores = q[:, self.shared_heads :].float().norm(dim=-1).transpose(1, 2)  # [B, N, E]
+        probs = F.softmax(scores, dim=-1)
+        top = probs.topk(self.routed_topk, dim=-1).indices
+        selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, True)
+        if self.training and self.routed is not None:
+            # Released code's scale: E * sum_i f_i P_i over all B*N tokens (beta = 0.01 tuned for it).
+            f = selected.float().mean(dim=(0, 1))
+            p = probs.mean(dim=(0, 1))
+            self.aux_loss = (f * p).sum() * self.pool
+        if self.gate_mode == "binary_ste":
+            hard = selected.to(probs.dtype)
+            return hard + (probs - probs.detach()), selected  # exactly 0/1 forward
+        kept = probs * selected
+        denom = kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
+        return kept / denom * self.routed_topk, selected
+
+    def forward(self, x: torch.Tensor, q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, N, C], q: [B, H, N, d] (only the l2norm router reads it).
+
+        Returns gates [B, N, H] (float32; zero where a head is off) and the boolean selection
+        [B, N, H] (True for shared heads and the chosen routed heads).
+        """
+        B, N, _ = x.shape
+        if self.routed_topk == 0:  # dense: soft weights over every head
+            gates = self._shared_gates(x)
+            selected = torch.ones(B, N, self.num_heads, dtype=torch.bool, device=x.device)
+        else:
+            routed, selected = self._routed_gates(x, q)
+            if self.shared_heads == 0:
+                gates = routed
+            else:
+                shared = self._shared_gates(x).to(routed.dtype)
+                if self.mix is not None:
+                    alpha = F.softmax(self.mix(x).float(), dim=-1) * 2
+                    shared = shared * alpha[..., :1]
+                    routed = routed * alpha[..., 1:]
+                gates = torch.cat([shared, routed], dim=-1)
+            always = torch.ones(B, N, self.shared_heads, dtype=torch.bool, device=x.device)
+            selected = torch.cat([always, selected], dim=-1)
+        self.head_load = selected.float().mean(dim=1)
+        return gates, selected
