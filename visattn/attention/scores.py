@@ -1,0 +1,37 @@
+"""Explicit attention-score helpers for variants that need the score map itself (ReLU, MTA).
+
+SDPA semantics throughout: ``attn_mask`` is bool (True = attend) or float (added to the scores),
+broadcastable to ``[B, H, N, M]``; ``is_causal`` keeps key j for query i when j <= i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, H_kv, M, d] -> [B, H, M, d]: query head h reads key/value head h // (H / H_kv), as SDPA's GQA."""
+    groups = num_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def dot_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, N, d], k: [B, H_kv, M, d] -> scaled scores [B, H, N, M]."""
+    return (q * scale) @ repeat_kv(k, q.shape[1]).transpose(-2, -1)
+
+
+def additive_mask(
+    attn_mask: torch.Tensor | None, is_causal: bool, n: int, m: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """The mask as a float tensor broadcastable to [B, H, N, M] (0 = attend, -inf = masked), or None."""
+    out = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            out = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(~attn_mask, float("-inf"))
+        else:
+            out = attn_mask.to(dtype)
+    if is_causal:
+        future = torch.ones(n, m, dtype=torch.bool, device=device).triu(1)
+        causal = torch.zeros(n, m, dtype=dtype, device=device).masked_fill(future, float("-inf"))
+        out = causal if out is None else out + causal
+    return out
