@@ -320,3 +320,32 @@ def test_active_heads_counts_timm_and_our_layers():
     assert visattn.active_heads(model) == (8, 8)
     visattn.swap_attention(model, "moh", shared_heads=1, routed_topk=1)
     assert visattn.active_heads(model) == (4, 8)
+
+
+def test_convert_moh_state_dict_renames_release_modules_under_any_prefix():
+    w = torch.zeros(1)
+    sd = {
+        "blocks.0.attn.wg.weight": w,
+        "module.stages.2.attn.wg_0.weight": w,
+        "wg_1.weight": w,
+        "levels.1.blocks.3.attn.cpb_fc1.bias": w,
+        "blocks.0.attn.qkv.weight": w,
+        "blocks.0.attn.wgx.weight": w,
+    }
+    assert sorted(visattn.convert_moh_state_dict(sd)) == sorted(
+        [
+            "blocks.0.attn.router.routed.weight",
+            "module.stages.2.attn.router.mix.weight",
+            "router.shared.weight",
+            "levels.1.blocks.3.attn.cpb.fc1.bias",
+            "blocks.0.attn.qkv.weight",
+            "blocks.0.attn.wgx.weight",
+        ]
+    )
+
+
+def test_expand_per_layer_reads_hydra_lists():
+    from omegaconf import OmegaConf
+
+    spec = OmegaConf.create({"shared_heads": [1, 2], "routed_topk": 1})
+    assert [layer["shared_heads"] for layer in expand_per_layer("moh", spec, depth=2)] == [1, 2]

@@ -1,6 +1,6 @@
 """Attention variants behind one registry; this package depends on torch and timm only."""
 
-from . import mha  # noqa: F401  (registers mha, moh, gqa, mqa)
+from . import cosine, headdim, mha, mta, relu  # noqa: F401  (register the variants by name)
 from .base import HeadAttention
 from .model_utils import (
     active_heads,

@@ -103,22 +103,34 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
     return model
 
 
-_RELEASED_ROUTER_KEYS = {"wg": "router.routed", "wg_0": "router.mix", "wg_1": "router.shared"}
-_RELEASED_KEY = re.compile(r"(^|\.)(wg|wg_0|wg_1)\.weight$")
+_RELEASED_NAMES = {
+    "wg": "router.routed",
+    "wg_0": "router.mix",
+    "wg_1": "router.shared",
+    "cpb_fc1": "cpb.fc1",  # MoH-ViT's continuous position bias MLP
+    "cpb_fc2": "cpb.fc2",
+}
+_RELEASED_KEY = re.compile(r"(^|\.)(wg|wg_0|wg_1|cpb_fc1|cpb_fc2)\.(weight|bias)$")
 
 
 def convert_moh_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename the released MoH code's router weights (``wg``, ``wg_0``, ``wg_1`` under any prefix)
-    to ours (``router.routed``, ``router.mix``, ``router.shared``); other keys pass unchanged."""
+    """Rename the released MoH code's module names to ours, under any prefix: routers ``wg``,
+    ``wg_0``, ``wg_1`` -> ``router.routed``, ``router.mix``, ``router.shared``, and MoH-ViT's
+    ``cpb_fc1``/``cpb_fc2`` -> ``cpb.fc1``/``cpb.fc2``. Other keys pass unchanged."""
 
     def rename(key: str) -> str:
         m = _RELEASED_KEY.search(key)
         if m is None:
             return key
-        return key[: m.start(2)] + _RELEASED_ROUTER_KEYS[m.group(2)] + ".weight"
+        return key[: m.start(2)] + _RELEASED_NAMES[m.group(2)] + "." + m.group(3)
 
     return {rename(k): v for k, v in state_dict.items()}
 
+
+
+def _is_sequence(value: Any) -> bool:
+    """Lists, tuples and OmegaConf's ListConfig; not strings."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
 def expand_per_layer(name: str, kwargs: Mapping[str, Any], depth: int, unit: str = "layer") -> list[dict[str, Any]]:
@@ -131,8 +143,7 @@ def expand_per_layer(name: str, kwargs: Mapping[str, Any], depth: int, unit: str
     list_valued = set(getattr(get_attention_class(name), "list_kwargs", ()))
     layers: list[dict[str, Any]] = [{} for _ in range(depth)]
     for key, value in kwargs.items():
-        seq = isinstance(value, (list, tuple))
-        per_layer = seq and (key not in list_valued or (len(value) > 0 and isinstance(value[0], (list, tuple))))
+        per_layer = _is_sequence(value) and (key not in list_valued or (len(value) > 0 and _is_sequence(value[0])))
         if per_layer and len(value) != depth:
             raise ValueError(
                 f"attn.{key} has {len(value)} entries but the model has {depth} {unit}s; "
