@@ -1,0 +1,1 @@
+"""Training machinery shared by the tasks: checkpoints, DDP, EMA, logging, results, the loops."""
