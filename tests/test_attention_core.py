@@ -308,7 +308,7 @@ def test_swap_moh_keeps_pretrained_projections_and_takes_per_layer_budgets():
     model = _tiny_vit(qkv_bias=True)
     qkv = [b.attn.qkv.weight.clone() for b in model.blocks]
     visattn.swap_attention(model, "moh", per_layer=[{"shared_heads": 1, "routed_topk": 1}, {"shared_heads": 2, "routed_topk": 2}])
-    for block, w in zip(model.blocks, qkv):
+    for block, w in zip(model.blocks, qkv, strict=True):
         assert torch.equal(block.attn.qkv.weight, w)
     assert visattn.active_heads(model) == (2 + 4, 8)
     with pytest.raises(ValueError, match="per_layer has 1 entries but the model has 2 attention layers"):

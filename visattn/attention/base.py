@@ -38,6 +38,9 @@ def resolve_head_dim(dim: int, num_heads: int, head_dim: int | None, attn_head_d
 class HeadAttention(nn.Module):
     """Multi-head self-attention. x: [B, N, C] -> [B, N, dim_out].
 
+    ``swappable``: whether ``swap_attention`` may replace the layer (False for token mixers that are
+    part of a model's design, e.g. TransNeXt's aggregated attention).
+
     Args (timm's ``Attention`` keywords, plus ours):
         num_kv_heads: key/value heads (GQA); ``None`` = ``num_heads`` (MHA), 1 = MQA.
         head_dim / attn_head_dim: per-head width; the inner width ``num_heads * head_dim`` may differ
@@ -46,6 +49,8 @@ class HeadAttention(nn.Module):
             (see ``HeadRouter``); routing is on when ``routed_topk`` is given.
         layer_idx, depth: position of the layer, for variants whose initialisation depends on it.
     """
+
+    swappable: bool = True
 
     def __init__(
         self,
@@ -167,12 +172,20 @@ class HeadAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [B, N, C]; attn_mask broadcastable to [B, H, N, N] (bool: True = attend) -> [B, N, dim_out]."""
         q, k, v = self.project_qkv(x)
-        gates = None
-        if self.router is not None:
-            gates, _ = self.router(x, q)
-            self.stats["head_load"] = self.router.head_load
+        gates, _ = self.route(x, q)
         heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.merge_heads(x, heads, gates)
+
+    def route(
+        self, x: torch.Tensor, q: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Head gates [B, N, H] and selection [B, N, H] for tokens x: [B, N, C] (None, None without
+        routing); records the per-sample head load in ``stats``."""
+        if self.router is None:
+            return None, None
+        gates, selected = self.router(x, q)
+        self.stats["head_load"] = self.router.head_load
+        return gates, selected
 
     def extra_repr(self) -> str:
         kv = f", kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""

@@ -87,6 +87,12 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
     """
     get_attention_class(name)  # fail on an unknown name before touching the model
     layers = attention_modules(model)
+    fixed = sorted({type(m).__name__ for _, m in layers if not getattr(m, "swappable", True)})
+    if fixed:
+        raise ValueError(
+            f"this model's {', '.join(fixed)} layers are part of its design and cannot be swapped; "
+            "build the model with the attention you want instead (e.g. create_transnext(..., attn=...))"
+        )
     depth = len(layers)
     for idx, (path, old) in enumerate(layers):
         cfg = {**_timm_config(old), **kwargs, **_layer_kwargs(per_layer, idx, depth)}
