@@ -26,3 +26,5 @@ __all__ = [
     "swap_attention",
 ]
 __version__ = "0.1.0"
+
+from . import models  # noqa: E402  (registers visattn_vit_* and visattn_transnext_* with timm)

@@ -1,0 +1,34 @@
+"""train_cls.py under torchrun with 2 CPU processes (gloo): one run dir, one results.json."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
+    "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
+    "aug=none", "data=digits",
+]
+
+
+def test_torchrun_two_processes_share_one_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_cls.py"), *TINY, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no run dir of its own
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["world_size"] == 2
+    assert results["train_steps"] == 2 * (1437 // 128)  # the global batch is split over the ranks
+    assert 0.0 <= results["top1"] <= 1.0
+    state_rngs = torch.load(run_dir / "last_state.pt", weights_only=True)["rng"]
+    assert len(state_rngs) == 2 and not torch.equal(state_rngs[0]["torch"], state_rngs[1]["torch"])
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(summary) == 1 and json.loads(summary[0])["top1"] == results["top1"]

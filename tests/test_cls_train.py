@@ -1,0 +1,125 @@
+"""Training, resume, evaluation, ImageFolder and continue-tuning through the classification engine,
+with a tiny ViT on digits (a few seconds each)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from PIL import Image
+from safetensors.torch import load_file
+
+from visattn.engine.cls_setup import build_cls_model, load_model_weights
+from visattn.engine.cls_trainer import run_cls
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+TINY = [
+    "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
+    "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
+    "train.num_threads=null", "aug=none", "aug.mixup=0.2", "aug.label_smoothing=0.1",
+]
+
+
+def cfg_of(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train_cls", overrides=[*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    return run_dir, run_cls(cfg_of(), run_dir)
+
+
+def test_run_writes_results_metrics_checkpoints(full_run):
+    run_dir, results = full_run
+    on_disk = json.loads((run_dir / "results.json").read_text())
+    for key in ("top1", "top5", "top1_best", "active_heads", "active_ratio", "params", "flops_per_image",
+                "train_images_per_s", "eval_images_per_s", "peak_memory_mb", "wall_time_s", "config"):
+        assert on_disk[key] is not None, key
+    assert on_disk["task"] == "cls" and on_disk["attn"] == "moh"
+    assert on_disk["active_heads"] == [6, 8] and on_disk["active_ratio"] == 0.75  # 2 layers x (2 shared + 1 routed)
+    assert 0.0 <= on_disk["top1"] <= on_disk["top5"] <= 1.0 and on_disk["top1_best"] >= on_disk["top1"]
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert rows[0].split(",")[:5] == ["step", "epoch", "loss", "aux_loss", "lr"] and len(rows) == 3
+    load = json.loads((run_dir / "head_load.json").read_text())
+    assert (load["layers"], load["heads"], len(load["classes"])) == (2, [4, 4], 10)
+    per_token = np.asarray(load["load"]).sum(axis=-1)  # heads used per token, averaged per class
+    np.testing.assert_allclose(per_token, 3.0, atol=1e-5)
+    assert {"last.safetensors", "last_state.pt", "best.safetensors"} <= {p.name for p in run_dir.iterdir()}
+    state = torch.load(run_dir / "last_state.pt", weights_only=True)
+    assert state["epoch"] == 2 and len(state["rng"]) == 1
+
+
+def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
+    run_dir, results = full_run
+    first = run_cls(cfg_of("train.stop_after_epoch=1"), tmp_path)
+    assert first["completed"] is False
+    resumed = run_cls(cfg_of("resume=true"), tmp_path)
+    for key in ("top1", "top5", "top1_best", "train_steps"):
+        assert resumed[key] == results[key], key
+    a, b = load_file(run_dir / "last.safetensors"), load_file(tmp_path / "last.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
+
+
+def test_resume_without_checkpoint_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="last.safetensors.*resume=RUN_DIR"):
+        run_cls(cfg_of("resume=true"), tmp_path)
+
+
+def test_eval_of_saved_checkpoint_reproduces_its_accuracy(full_run, tmp_path):
+    run_dir, results = full_run
+    evaluated = run_cls(cfg_of("mode=eval", f"ckpt={run_dir}"), tmp_path)  # a run dir: its best.safetensors
+    assert evaluated["top1"] == results["top1_best"]
+    assert json.loads((tmp_path / "results.json").read_text())["ckpt"] == str(run_dir)
+
+
+def test_timm_weight_file_loads_into_mha_and_moh(tmp_path):
+    from timm.models.vision_transformer import VisionTransformer
+
+    ref = VisionTransformer(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=2,
+                            num_heads=4, mlp_ratio=2.0)
+    torch.save({"model": {f"module.{k}": v for k, v in ref.state_dict().items()}}, tmp_path / "deit.pth")
+    x = torch.randn(2, 1, 8, 8)
+    mha = build_cls_model(cfg_of("attn=mha"))
+    load_model_weights(mha, tmp_path / "deit.pth")
+    torch.testing.assert_close(mha.eval()(x), ref.eval()(x))
+    moh = build_cls_model(cfg_of())
+    load_model_weights(moh, tmp_path / "deit.pth")  # routers keep their initialisation
+    assert torch.equal(moh.blocks[1].attn.qkv.weight, ref.blocks[1].attn.qkv.weight)
+    wrong = build_cls_model(cfg_of("attn=mha", "data.num_classes=5"))
+    with pytest.raises(ValueError, match=r"head.weight.*\(10, 16\), \(5, 16\).*data.num_classes"):
+        load_model_weights(wrong, tmp_path / "deit.pth")
+
+
+def test_continue_tuning_moh_from_our_mha_checkpoint(tmp_path):
+    mha = run_cls(cfg_of("attn=mha", "train.epochs=1", "sched.warmup_epochs=0"), tmp_path / "mha")
+    weights = tmp_path / "mha" / "best.safetensors"
+    cfg = cfg_of("experiment=continue_tune_digits", f"model.init_from={weights}", "attn.shared_heads=2",
+                 "attn.routed_topk=1", "train.epochs=1", "sched.warmup_epochs=0")
+    tuned = run_cls(cfg, tmp_path / "moh")
+    assert mha["active_ratio"] == 1.0 and tuned["active_ratio"] == 0.75
+    model = build_cls_model(cfg)
+    assert not [n for n, _ in model.named_parameters() if ".router." in n]  # l2norm router: parameter-free
+    load_model_weights(model, weights)
+    start = load_file(weights)
+    assert torch.equal(model.blocks[0].attn.qkv.weight, start["blocks.0.attn.qkv.weight"])
+
+
+def test_tiny_imagefolder_trains_with_deit_augmentation(tmp_path):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            (tmp_path / "data" / split / cls).mkdir(parents=True)
+            for i in range(4):
+                pixels = rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / cls / f"{i}.png")
+    cfg = cfg_of("data=imagefolder", f"data.root={tmp_path / 'data'}", "data.image_size=16", "data.num_classes=2",
+                 "data.num_workers=0", "model=vit_tiny_patch4_32", "aug=deit", "train.batch_size=4",
+                 "train.epochs=1", "sched.warmup_epochs=0")
+    results = run_cls(cfg, tmp_path / "run")
+    assert results["train_steps"] >= 1 and 0.0 <= results["top1"] <= 1.0
+    assert json.loads((tmp_path / "run" / "head_load.json").read_text())["classes"] == ["cat", "dog"]

@@ -1,0 +1,95 @@
+import csv
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from visattn.engine.checkpoint import (
+    load_train_state,
+    load_weights,
+    rng_state,
+    save_train_state,
+    save_weights,
+    set_rng_state,
+)
+from visattn.engine.distributed import all_reduce_sum, broadcast_object, init_distributed
+from visattn.engine.ema import ModelEMA
+from visattn.engine.results import Throughput, count_params, write_results
+from visattn.engine.runlog import MetricsLogger
+
+
+def test_weights_roundtrip_safetensors_and_wrapped_pth(tmp_path):
+    model = nn.Linear(3, 2)
+    save_weights(tmp_path / "w.safetensors", model.state_dict())
+    loaded = load_weights(tmp_path / "w.safetensors")
+    assert torch.equal(loaded["weight"], model.weight)
+    # DeiT-style file: {"model": {...}} with DDP prefixes
+    torch.save({"model": {"module." + k: v for k, v in model.state_dict().items()}, "epoch": 3}, tmp_path / "d.pth")
+    loaded = load_weights(tmp_path / "d.pth")
+    assert set(loaded) == {"weight", "bias"} and torch.equal(loaded["bias"], model.bias)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_load_weights_missing_file_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pth"):
+        load_weights(tmp_path / "nope.pth")
+
+
+def test_train_state_rejects_unloadable_objects(tmp_path):
+    with pytest.raises(TypeError, match=r"state\['bad'\] is a object"):
+        save_train_state(tmp_path / "s.pt", {"bad": object()})
+    assert not (tmp_path / "s.pt").exists()
+
+
+def test_rng_state_restores_every_generator(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    save_train_state(tmp_path / "s.pt", {"rng": rng_state(), "step": 4})
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    state = load_train_state(tmp_path / "s.pt")
+    set_rng_state(state["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    assert state["step"] == 4
+
+
+def test_ema_is_weighted_average():
+    model = nn.Linear(2, 1)
+    ema = ModelEMA(model, decay=0.75)
+    start = ema.module.weight.clone()
+    with torch.no_grad():
+        model.weight.add_(4.0)
+    ema.update(model)
+    torch.testing.assert_close(ema.module.weight, 0.75 * start + 0.25 * model.weight)
+    assert not ema.module.weight.requires_grad
+    with pytest.raises(ValueError, match="decay=1.5"):
+        ModelEMA(model, decay=1.5)
+
+
+def test_single_process_distributed_helpers():
+    info = init_distributed("cpu")
+    assert (info.rank, info.world_size, info.is_main) == (0, 1, True)
+    assert broadcast_object({"a": 1}) == {"a": 1}
+    assert all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_results_and_metrics_files(tmp_path):
+    write_results(tmp_path, {"top1": torch.tensor(0.5), "nan": float("nan"), "shape": (1, 2)})
+    assert json.loads((tmp_path / "results.json").read_text()) == {"top1": 0.5, "nan": None, "shape": [1, 2]}
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"step": 1, "loss": 2.0})
+    logger.log({"step": 2, "loss": 1.0, "top1": 0.5, "head_load": [0.1, 0.9]})
+    logger.close()
+    resumed = MetricsLogger(tmp_path, tensorboard=False)  # keeps the rows, forgets those after step 1
+    resumed.drop_after(1)
+    resumed.log({"step": 2, "loss": 1.5})
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["loss"] for r in rows] == ["2.0", "1.5"] and "head_load" not in rows[0]
+    assert count_params(nn.Linear(3, 2)) == 8
+    tp = Throughput()
+    tp.start()
+    tp.stop(10)
+    assert tp.items == 10 and tp.rate > 0

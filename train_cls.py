@@ -1,0 +1,38 @@
+"""Image classification with a ViT / TransNeXt and any registered attention (Hydra).
+
+    python train_cls.py                          # small MoH ViT on digits (the demo)
+    python train_cls.py -m attn=mha,moh          # sweep
+    torchrun --nproc_per_node=2 train_cls.py     # DDP (gloo on CPU, nccl on GPU)
+    python train_cls.py mode=eval ckpt=RUN_DIR   # top-1 / top-5 of a checkpoint
+
+Configs: conf/train_cls.yaml and its groups. Prints the results (JSON) when done.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from visattn.engine.cls_trainer import run_cls
+from visattn.engine.launch import export_slurm_env, launched_rank, worker_rank_overrides
+from visattn.utils.allocator import tune_glibc_malloc
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train_cls")
+def main(cfg: DictConfig) -> float:
+    results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
+    if launched_rank() == 0:
+        summary = {k: results.get(k) for k in ("top1", "top5", "top1_best", "active_ratio", "run_dir")}
+        print(json.dumps(summary))
+    return results["top1"]
+
+
+if __name__ == "__main__":
+    tune_glibc_malloc()
+    export_slurm_env()
+    sys.argv += worker_rank_overrides(sys.argv)
+    main()

@@ -1,0 +1,189 @@
+"""Classification set-up from the Hydra config: the attention spec (attn + budget), the model, the
+config validation that runs before any work, and loading outside weights into the model."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+import visattn.models  # noqa: F401  (registers the visattn_* timm models)
+from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
+from visattn.data.datasets import check_data_config
+
+from .checkpoint import load_weights
+
+log = logging.getLogger(__name__)
+
+MODES = ("train", "eval")
+BEST_WEIGHTS = "best.safetensors"
+
+
+def plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def budget_name(cfg: DictConfig) -> str:
+    return cfg.get("budget", {}).get("name", "none") if cfg.get("budget") else "none"
+
+
+def attn_spec(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.attn`` with the head budget's per-layer values merged in: ``{"name": ..., **kwargs}``.
+
+    A budget may only set keys that the chosen attention's config declares (conf/attn/<name>.yaml).
+    """
+    spec = dict(plain(cfg.attn))
+    budget = dict(plain(cfg.get("budget") or {}))
+    budget.pop("name", None)
+    budget.pop("num_heads", None)
+    for key, value in budget.items():
+        if value is None:
+            continue
+        if key not in spec:
+            raise ValueError(
+                f"budget={budget_name(cfg)} sets {key}={value}, but attn={spec['name']} has no {key} "
+                f"(conf/attn/{spec['name']}.yaml); use attn=moh (or another routed attention) or budget=none"
+            )
+        spec[key] = value
+    return spec
+
+
+def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Keywords for ``timm.create_model(cfg.model.name, **kwargs)``."""
+    kwargs = dict(plain(cfg.model.get("kwargs") or {}))
+    heads = (cfg.get("budget") or {}).get("num_heads")
+    if heads is not None:
+        kwargs["num_heads"] = plain(heads)
+    return dict(
+        attn=attn_spec(cfg),
+        num_classes=cfg.data.num_classes,
+        in_chans=cfg.data.in_chans,
+        img_size=cfg.data.image_size,
+        drop_path_rate=cfg.model.drop_path_rate,
+        **kwargs,
+    )
+
+
+def build_cls_model(cfg: DictConfig) -> nn.Module:
+    """The configured classifier (on the current default device); images [B, C, H, W] -> [B, classes]."""
+    return timm.create_model(cfg.model.name, **model_kwargs(cfg))
+
+
+def _check_path(key: str, value: Any, what: str) -> None:
+    if value is not None and not Path(value).exists():
+        raise FileNotFoundError(f"{key}={value} does not exist; {what}")
+
+
+def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
+    """Check the composed config before any work; returns the model built on the meta device.
+
+    Raises ValueError / FileNotFoundError naming the key, the bad value and the fix.
+    """
+    if cfg.mode not in MODES:
+        raise ValueError(f"mode={cfg.mode} is not known; use one of {MODES}")
+    if cfg.mode == "eval" and cfg.ckpt is None:
+        raise ValueError("mode=eval needs ckpt=PATH (a weight file, or a run dir holding best.safetensors)")
+    _check_path("ckpt", cfg.ckpt, "give a weight file (.safetensors/.pth) or a run dir")
+    _check_path("model.init_from", cfg.model.init_from, "give a weight file (.safetensors/.pth) of a trained model")
+    if not isinstance(cfg.resume, bool):
+        _check_path("resume", cfg.resume, "give true (this run dir) or the run dir to continue")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={cfg.device} is not known; use auto, cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but CUDA is not available here; use device=cpu (or auto)")
+    check_data_config(cfg.data)
+    train = cfg.train
+    if train.epochs < 1:
+        raise ValueError(f"train.epochs={train.epochs} must be >= 1")
+    if cfg.sched.warmup_epochs >= train.epochs and cfg.sched.warmup_epochs > 0:
+        raise ValueError(
+            f"sched.warmup_epochs={cfg.sched.warmup_epochs} leaves no epoch after warm-up "
+            f"(train.epochs={train.epochs}); lower it below train.epochs"
+        )
+    if train.batch_size % world_size:
+        raise ValueError(
+            f"train.batch_size={train.batch_size} is not divisible by the {world_size} processes; use a multiple"
+        )
+    if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and (train.batch_size // world_size) % 2:
+        raise ValueError(
+            f"train.batch_size={train.batch_size} gives an odd batch per process; Mixup/CutMix needs an even one"
+        )
+    if not 0.0 <= cfg.aug.label_smoothing < 1.0:
+        raise ValueError(f"aug.label_smoothing={cfg.aug.label_smoothing} must be in [0, 1)")
+    where = f"[model={cfg.model.name}, attn={cfg.attn.name}, budget={budget_name(cfg)}]"
+    try:
+        with torch.device("meta"):
+            model = build_cls_model(cfg)
+    except (ValueError, TypeError) as err:
+        hint = f" (budget={budget_name(cfg)} supplies the per-layer lists)" if budget_name(cfg) != "none" else ""
+        raise ValueError(f"{err}{hint} {where}") from None
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if patch is not None and cfg.data.image_size % patch[0]:
+        raise ValueError(
+            f"data.image_size={cfg.data.image_size} is not a multiple of the model's patch size {patch[0]} "
+            f"{where}; pick a model whose patch size divides it"
+        )
+    return model
+
+
+def log_head_budget(model: nn.Module) -> None:
+    """Heads active per token, per layer and in all (the activation ratio)."""
+    layers = [m.active_heads if hasattr(m, "active_heads") else (m.num_heads, m.num_heads)
+              for _, m in attention_modules(model)]
+    active, total = active_heads(model)
+    log.info("heads active per layer: %s", " ".join(f"{a}/{t}" for a, t in layers))
+    log.info("activation ratio: %d/%d = %.1f%%", active, total, 100.0 * active / max(total, 1))
+
+
+def resolve_weight_path(path: str | Path) -> Path:
+    """A weight file, or a run dir (its best.safetensors)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / BEST_WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; give a weight file or a run dir that finished an epoch")
+    return path
+
+
+def load_model_weights(model: nn.Module, path: str | Path, new_head_ok: bool = False) -> None:
+    """Load ours / timm / DeiT weights into ``model``.
+
+    Parameters of attention layers that the file lacks (e.g. MoH routers, when the file is an MHA
+    model) keep their initialisation; anything else missing, unexpected or of another shape is an
+    error, except the classifier head when ``new_head_ok`` (fine-tuning to other classes).
+    """
+    path = resolve_weight_path(path)
+    state = convert_moh_state_dict(load_weights(path))
+    if hasattr(model, "patch_embed") and hasattr(model, "blocks"):  # timm ViT layouts, pos-embed resizing
+        from timm.models.vision_transformer import checkpoint_filter_fn
+
+        state = checkpoint_filter_fn(state, model)
+    own = model.state_dict()
+    attn_prefixes = tuple(f"{name}." for name, _ in attention_modules(model))
+    head_names = [n for n in own if fnmatch.fnmatch(n, "head.*")]
+    mismatched = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items() if k in own and v.shape != own[k].shape}
+    if new_head_ok:
+        for name in head_names:
+            if name in mismatched:
+                log.warning("%s: %s has shape %s, the model %s; the head is re-initialised", path, name, *mismatched[name])
+                del mismatched[name], state[name]
+    missing = [k for k in own if k not in state]
+    new_attn = [k for k in missing if k.startswith(attn_prefixes)]
+    missing = [k for k in missing if k not in new_attn and not (new_head_ok and k in head_names)]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"{path} does not fit {type(model).__name__}: missing {missing[:6]}, unexpected {unexpected[:6]}, "
+            f"shape (file, model) {dict(list(mismatched.items())[:6])}; check model=, attn= and data.num_classes "
+            f"against the model that wrote the file"
+        )
+    model.load_state_dict(state, strict=False)
+    log.info("loaded %s (%d tensors)%s", path, len(state),
+             f"; {len(new_attn)} attention parameters kept at init" if new_attn else "")
+

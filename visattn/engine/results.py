@@ -1,0 +1,123 @@
+"""What every run reports: ``results.json`` (atomic), parameter and FLOP counts, memory, throughput."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .checkpoint import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.json"
+
+
+def _to_json(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _finite(obj: Any) -> Any:
+    """NaN / inf -> None, so the file stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    text = json.dumps(_finite(json.loads(json.dumps(data, default=_to_json))), indent=2, sort_keys=False)
+    atomic_write_bytes(path, (text + "\n").encode())
+
+
+def write_results(run_dir: str | Path, results: Mapping[str, Any]) -> Path:
+    """Write ``results.json`` in ``run_dir`` atomically; returns its path."""
+    path = Path(run_dir) / RESULTS_FILE
+    write_json(path, dict(results))
+    return path
+
+
+def count_params(model: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def peak_memory_mb(device: torch.device | str | None = None) -> float:
+    """Peak memory of this process: CUDA allocator peak on a CUDA device, else the peak RSS."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def model_flops(model: nn.Module, *inputs: torch.Tensor) -> float | None:
+    """Forward FLOPs of ``model(*inputs)`` via ``visattn.utils.flops.count_flops``; None where that
+    counter is not available."""
+    try:
+        from visattn.utils.flops import count_flops
+    except ImportError:
+        log.warning("visattn.utils.flops is not available; FLOPs are not reported")
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return float(count_flops(model, *inputs))
+    finally:
+        model.train(was_training)
+
+
+class Throughput:
+    """Items per second over the timed spans: ``start()`` ... ``stop(n_items)``, repeatable.
+
+    Synchronises CUDA at both ends so the span covers the queued work.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.items = 0
+        self.seconds = 0.0
+        self._t0: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self, items: int) -> None:
+        if self._t0 is None:
+            raise RuntimeError("Throughput.stop() called before start()")
+        self._sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.items += items
+        self._t0 = None
+
+    @property
+    def rate(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else 0.0
