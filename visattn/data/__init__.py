@@ -1,0 +1,1 @@
+"""Datasets and loaders: raw arrays (sources), classification datasets, transforms, samplers."""
