@@ -1,0 +1,108 @@
+"""The benchmark harness end to end on tiny shapes (no timing assertions)."""
+
+import json
+
+import pytest
+import torch
+
+from visattn.bench import attention_cases, moh_budget
+from visattn.bench.__main__ import main
+from visattn.bench.attention import Shape
+from visattn.bench.memory import call_peak_mb, peak_memory_available
+
+
+def test_attention_mode_writes_json_and_table(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    main(
+        [
+            "attention",
+            "--shapes",
+            "2,5,16,4",
+            "--variants",
+            "mha",
+            "moh",
+            "gqa",
+            "--budgets",
+            "0.5",
+            "--dtypes",
+            "fp32",
+            "bf16",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    labels = [r["label"] for r in rows if r["dtype"] == "fp32"]
+    assert labels == ["mha", "moh-50", "moh-50-masked", "gqa"]
+    by = {(r["label"], r["dtype"]): r for r in rows}
+    assert by[("mha", "fp32")]["infer_ratio"] == 1.0 and by[("mha", "bf16")]["train_ratio"] == 1.0
+    assert by[("moh-50", "fp32")]["active_heads"] == [2, 4]
+    assert "train_ms" not in by[("moh-50-masked", "fp32")]  # its training step is moh-50's
+    # mha: qkv + proj + attention core, in closed form
+    B, N, C = 2, 5, 16
+    assert by[("mha", "fp32")]["infer_flops"] == 2 * B * N * C * 4 * C + 4 * B * N * N * C
+    assert by[("moh-50", "fp32")]["infer_flops"] < by[("moh-50-masked", "fp32")]["infer_flops"]
+    assert all(r["infer_ms"] > 0 and r["matmul_peak_gflops"] > 0 for r in rows)
+    assert "| moh-50 | 2/4 |" in capsys.readouterr().out
+
+
+def test_model_mode_runs_a_tiny_vit(tmp_path, capsys):
+    out = tmp_path / "models.json"
+    main(
+        [
+            "model",
+            "--presets",
+            "vit_digits",
+            "--attns",
+            "mha",
+            "moh-50",
+            "--batch",
+            "2",
+            "--dtypes",
+            "fp32",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--no-memory",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == ["mha", "moh-50"]
+    assert rows[1]["active_heads"] == [24, 48]  # 6 layers of 8 heads, 4 active
+    assert all(r["infer_images_per_s"] > 0 and r["train_images_per_s"] > 0 for r in rows)
+    assert "vit_digits" in capsys.readouterr().out
+
+
+def test_moh_budget_and_cases():
+    assert moh_budget(6, 0.5) == (1, 2)
+    assert moh_budget(12, 0.75) == (6, 3)
+    assert moh_budget(12, 0.9) == (6, 5)
+    assert moh_budget(4, 1.0) == (4, 0)
+    for heads in range(1, 17):
+        for fraction in (0.1, 0.5, 0.75, 0.9):
+            shared, topk = moh_budget(heads, fraction)
+            assert 1 <= shared + topk <= heads and (topk == 0) == (shared == heads)
+    with pytest.raises(ValueError, match="budget 1.5"):
+        moh_budget(6, 1.5)
+    with pytest.raises(ValueError, match="unknown attention 'nope'"):
+        attention_cases(6, ["nope"], [0.5])
+    with pytest.raises(ValueError, match="batch,tokens,dim,heads"):
+        Shape.parse("32,197,384")
+
+
+@pytest.mark.skipif(not peak_memory_available(), reason="needs Linux's /proc/self/clear_refs")
+def test_call_peak_sees_a_large_allocation():
+    mib = call_peak_mb(lambda: torch.ones(64 * 2**20 // 4).add_(1))
+    assert 60 < mib < 200

@@ -1,0 +1,170 @@
+"""Sparse MoH inference equals the dense (masked) path for any routing."""
+
+import pytest
+import torch
+
+from visattn import build_attention
+from visattn.attention.sparse import sparse_moh_forward, sparse_moh_supported
+
+
+def _moh(dim=32, heads=4, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    m = build_attention("moh", dim, num_heads=heads, **kwargs).eval()
+    with torch.no_grad():  # off the initialisation: spread router logits so selections vary per token
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def _assert_matches_dense(m, x, tol=1e-5):
+    """Both sparse plans (sparse and dense projections) against the masked dense path."""
+    with torch.no_grad():
+        m.impl = "dense"
+        dense = m(x)
+        for projections in ("sparse", "dense"):
+            sparse = sparse_moh_forward(m, x, projections=projections)
+            assert sparse.dtype == dense.dtype
+            torch.testing.assert_close(sparse.float(), dense.float(), rtol=tol, atol=tol, msg=projections)
+
+
+BUDGETS = [(h, s, k) for h in (4, 6) for s in range(h + 1) for k in range(h - s + 1) if (k == 0) == (s == h)]
+
+
+@pytest.mark.parametrize(("heads", "shared", "topk"), BUDGETS)
+def test_sparse_equals_dense_every_budget(heads, shared, topk):
+    m = _moh(dim=24, heads=heads, shared_heads=shared, routed_topk=topk, seed=heads + shared)
+    x = torch.randn(3, 11, 24)
+    _assert_matches_dense(m, x)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"qk_norm": True, "qkv_bias": True},
+        {"head_dim": 12},  # inner width 48 != dim 32
+        {"num_kv_heads": 2},
+        {"router": "l2norm", "two_stage": False},
+        {"gate": "binary_ste"},
+        {"proj_bias": False, "shared_heads": 0, "routed_topk": 2},
+        {"dim_out": 20},
+    ],
+)
+def test_sparse_equals_dense_options(kwargs):
+    kwargs = {"shared_heads": 1, "routed_topk": 2, **kwargs}
+    m = _moh(**kwargs)
+    _assert_matches_dense(m, torch.randn(2, 13, 32))
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (1, 7), (4, 1)])
+def test_batch_one_and_single_token(batch, tokens):
+    m = _moh(shared_heads=1, routed_topk=1)
+    _assert_matches_dense(m, torch.randn(batch, tokens, 32))
+
+
+def test_head_that_no_token_selected():
+    m = _moh(dim=36, heads=6, shared_heads=1, routed_topk=1, seed=3)
+    with torch.no_grad():  # the router can never pick the last two routed heads
+        m.router.routed.weight[-2:] = 0
+        m.router.routed.weight[0] = m.router.routed.weight[0].abs() + 1
+    x = torch.randn(2, 9, 36).abs()
+    _assert_matches_dense(m, x)
+    assert not m.stats["head_load"][:, -2:].any()
+
+
+def test_unselected_head_weights_do_not_matter_in_sparse_path():
+    m = _moh(shared_heads=1, routed_topk=1, seed=5)
+    x = torch.randn(1, 1, 32)
+    with torch.no_grad():
+        m.impl = "sparse"
+        before = m(x)
+        _, selected = m.router(x)
+        off = int((~selected[0, 0]).nonzero()[0])
+        d = m.head_dim
+        m.qkv.weight[off * d : (off + 1) * d] = float("nan")  # the unselected head's query weights
+        after = m(x)
+    torch.testing.assert_close(after, before)
+
+
+def test_bf16_autocast_close_to_dense():
+    m = _moh(shared_heads=1, routed_topk=2)
+    x = torch.randn(2, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_matches_dense(m, x, tol=0.05)
+        assert m(x).dtype == torch.bfloat16
+
+
+def test_auto_picks_sparse_in_eval_and_dense_in_training(monkeypatch):
+    m = _moh(shared_heads=1, routed_topk=1)
+    calls = []
+    monkeypatch.setattr("visattn.attention.mha.sparse_moh_forward", lambda attn, x: calls.append(1) or x)
+    x = torch.randn(2, 5, 32)
+    m.eval()(x)
+    assert calls == [1] and m.uses_sparse()
+    m.train()(x)
+    assert calls == [1] and not m.uses_sparse()
+    assert m.aux_loss is not None  # the dense training path still computes the load-balancing loss
+    m.eval()
+    m(x, attn_mask=torch.ones(5, 5, dtype=torch.bool))  # masks take the dense path
+    assert calls == [1]
+    dense = build_attention("moh", 32, num_heads=4, impl="dense").eval()
+    assert not dense.uses_sparse()
+    # most of the routed pool per token (2 of 3): sparse measured no faster, auto stays dense
+    assert not build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2).eval().uses_sparse()
+    assert build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2, impl="sparse").uses_sparse()
+
+
+@pytest.mark.parametrize("projections", ["sparse", "dense"])
+def test_sparse_gradients_match_dense(projections):
+    # float64: the float32 gradients of a summed square differ by rounding only, at ~1e-6 relative
+    m = _moh(shared_heads=1, routed_topk=2).double().train()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    grads = {}
+    for impl in ("dense", "sparse"):
+        m.impl = "dense"
+        m.zero_grad()
+        out = m(x) if impl == "dense" else sparse_moh_forward(m, x, projections=projections)
+        out.square().sum().backward()
+        grads[impl] = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    for a, b in zip(grads["dense"], grads["sparse"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_auto_projections_follow_routed_density(monkeypatch):
+    import visattn.attention.sparse as sparse
+
+    seen = []
+    monkeypatch.setattr(sparse, "_dense_projections", lambda attn, x: seen.append("dense"))
+    monkeypatch.setattr(sparse, "_sparse_projections", lambda attn, x: seen.append("sparse"))
+    x = torch.randn(1, 3, 48)
+    sparse_moh_forward(_moh(dim=48, heads=6, shared_heads=1, routed_topk=2), x)  # 2 of 5 routed heads
+    sparse_moh_forward(_moh(dim=48, heads=6, shared_heads=3, routed_topk=2), x)  # 2 of 3
+    sparse_moh_forward(
+        _moh(dim=48, heads=6, shared_heads=0, routed_topk=1, router="l2norm", two_stage=False), x
+    )
+    assert seen == ["sparse", "dense", "dense"]
+    with pytest.raises(ValueError, match="projections='fast'"):
+        sparse_moh_forward(_moh(), x[..., :32], projections="fast")
+
+
+def test_bad_impl_and_unsupported_sparse():
+    with pytest.raises(ValueError, match="impl='fast'"):
+        build_attention("moh", 32, num_heads=4, impl="fast")
+    with pytest.raises(ValueError, match="scale_norm"):
+        build_attention("moh", 32, num_heads=4, impl="sparse", scale_norm=True)
+    auto = build_attention("moh", 32, num_heads=4, scale_norm=True).eval()
+    assert not auto.uses_sparse()  # falls back to the dense path
+    assert sparse_moh_supported(build_attention("mha", 32, num_heads=4)) is not None
+
+
+def test_sparse_forward_skips_unselected_query_flops():
+    from visattn.utils.flops import count_flops
+
+    B, N, C = 2, 16, 32
+    m = _moh(shared_heads=0, routed_topk=1, proj_bias=False)
+    x = torch.randn(B, N, C)
+    with torch.no_grad():
+        sparse = count_flops(lambda: sparse_moh_forward(m, x, projections="sparse"))
+    m.impl = "dense"
+    dense = count_flops(m, x)
+    # one of four heads per token: queries and outputs shrink 4x; keys/values stay dense
+    assert sparse < 0.75 * dense

@@ -1,0 +1,274 @@
+"""Sparse Mixture-of-Head inference: work only for the (token, head) pairs the router selected.
+
+The dense path (``HeadAttention.forward``) computes every head for every token and multiplies the
+unselected ones by a zero gate. Two plans skip that work; keys and values are projected for every
+token in both (every selected query may attend to any token of its image).
+
+Sparse projections (few tokens per routed head, the default up to half):
+- shared heads (on for every token) get one dense query projection, one SDPA call and one output
+  projection with their slice of ``W_O`` (plus the bias);
+- each routed head gathers the tokens that selected it, projects only their queries, attends with
+  them (grouped per image and zero-padded to that head's largest group: SDPA needs a rectangle)
+  and projects only their outputs with its slice of ``W_O``;
+- every token then sums its rows (its shared row and its ``routed_topk`` routed rows, times their
+  gates) in one ``embedding_bag``: top-k routing gives every token the same number of rows, so this
+  gather-and-sum replaces a scatter-add, which is several times slower on CPU.
+So the query projection, the attention core and the output projection all shrink with the budget,
+and routing adds nothing to the projections (the linear router reads ``x`` only).
+
+Dense projections (most tokens per routed head, or the ``l2norm`` router, which scores every
+head's query): one qkv and one output matmul as in ``mha``; only the attention of unselected pairs
+is skipped. Per-head gathers and narrow matmuls would cost more than they save there.
+
+Both equal the dense path up to float rounding, and are differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import HeadAttention
+
+
+def sparse_moh_supported(attn: HeadAttention) -> str | None:
+    """None when ``attn`` can run the sparse path, else the reason it cannot."""
+    if attn.router is None:
+        return "the layer does not route heads (routed_topk is None)"
+    cls = type(attn)
+    for method in ("attend", "project_qkv", "merge_heads"):
+        if getattr(cls, method) is not getattr(HeadAttention, method):
+            return f"{cls.__name__} overrides {method}, which the sparse path does not reproduce"
+    if attn.gate is not None or not isinstance(attn.norm, torch.nn.Identity):
+        return "gated=True / scale_norm=True mix all heads before the output projection"
+    return None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _rows(linear: torch.nn.Linear, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output rows start..stop of a linear layer: (weight [stop - start, in], bias or None)."""
+    bias = linear.bias[start:stop] if linear.bias is not None else None
+    return linear.weight[start:stop], bias
+
+
+class _Rows:
+    """The [rows, dim_out] matrix of per-token contributions, filled block by block.
+
+    Without autograd each block's matmul writes straight into one preallocated buffer; with autograd
+    (``out=`` is not differentiable) the blocks are concatenated instead.
+    """
+
+    def __init__(self, rows: int, width: int, like: torch.Tensor, params: list[torch.Tensor]) -> None:
+        needs_grad = torch.is_grad_enabled() and (like.requires_grad or any(p.requires_grad for p in params))
+        self.buffer = None if needs_grad else like.new_empty(rows, width)
+        self.blocks: list[torch.Tensor] = []
+        self.filled = 0
+
+    def linear(self, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Append a @ weight^T (+ bias) in the buffer's dtype (the autocast dtype under autocast)."""
+        if self.buffer is None:
+            self.blocks.append(F.linear(a, weight, bias))
+            return
+        out = self.buffer[self.filled : self.filled + a.shape[0]]
+        with torch.autocast(out.device.type, enabled=False):
+            a, weight_t = a.to(out.dtype), weight.to(out.dtype).t()
+            if bias is None:
+                torch.mm(a, weight_t, out=out)
+            else:
+                torch.addmm(bias.to(out.dtype), a, weight_t, out=out)
+        self.filled += a.shape[0]
+
+    def row(self, value: torch.Tensor) -> None:
+        """Append one row (e.g. the bias)."""
+        if self.buffer is None:
+            self.blocks.append(value.unsqueeze(0))
+        else:
+            self.buffer[self.filled] = value
+            self.filled += 1
+
+    def result(self) -> torch.Tensor:
+        return (
+            self.buffer
+            if self.buffer is not None
+            else torch.cat(self.blocks).to(_compute_dtype(self.blocks[0]))
+        )
+
+
+PROJECTIONS = ("auto", "sparse", "dense")
+# Above this share of tokens per routed head, per-head gathers and narrow matmuls cost more than
+# they save: project densely (one qkv and one output matmul, like mha) and skip only attention.
+SPARSE_PROJECTION_MAX_DENSITY = 0.5
+
+
+def routed_density(attn: HeadAttention) -> float:
+    """Share of tokens each routed head serves on average: routed_topk / routed pool (1 when dense)."""
+    router = attn.router
+    return router.routed_topk / router.pool if router.routed_topk else 1.0
+
+
+def sparse_moh_forward(attn: HeadAttention, x: torch.Tensor, projections: str = "auto") -> torch.Tensor:
+    """x: [B, N, C] -> [B, N, dim_out]; the output of ``attn.forward(x)`` (no mask, not causal).
+
+    ``projections``: ``"sparse"`` (queries and outputs projected per selected pair), ``"dense"``
+    (every head projected, only the attention of selected pairs computed), or ``"auto"``: sparse up
+    to ``SPARSE_PROJECTION_MAX_DENSITY`` tokens per routed head. The ``l2norm`` router scores every
+    head's query, so it always projects densely. Call only when ``sparse_moh_supported(attn)`` is None.
+    """
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections={projections!r} is not known; use one of {PROJECTIONS}")
+    dense = (
+        routed_density(attn) > SPARSE_PROJECTION_MAX_DENSITY
+        if projections == "auto"
+        else projections == "dense"
+    )
+    if dense or attn.router.router_kind == "l2norm":
+        return _dense_projections(attn, x)
+    return _sparse_projections(attn, x)
+
+
+def _dense_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Every head projected (as ``mha``); attention computed only for the selected pairs."""
+    B, N, _ = x.shape
+    T = B * N
+    H, d = attn.num_heads, attn.head_dim
+    group = H // attn.num_kv_heads
+    router = attn.router
+    dropout_p = attn.attn_drop.p if attn.training else 0.0
+    x = x.to(_compute_dtype(x))  # cast once for the projection and the router's linears
+    q, k, v = attn.project_qkv(x)  # [B, H, N, d], [B, H_kv, N, d] x 2
+    gates, selected = router(x, q)
+    attn.stats["head_load"] = router.head_load
+    shared = H if router.routed_topk == 0 else router.shared_heads
+
+    heads = torch.empty(B, N, H, d, dtype=_compute_dtype(x), device=x.device)  # gated head outputs
+    if shared:
+        ks, vs = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+        o = F.scaled_dot_product_attention(q[:, :shared], ks[:, :shared], vs[:, :shared], dropout_p=dropout_p)
+        o = o * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(o.dtype)
+        heads[:, :, :shared] = o.transpose(1, 2)
+    heads[:, :, shared:] = 0
+    rows = heads.view(T, H, d)
+    gate_rows = gates.reshape(T, H)
+    for head in range(shared, H):
+        tokens = selected[..., head].reshape(T).nonzero().squeeze(1)
+        if tokens.numel() == 0:
+            continue
+        q_sel = q[:, head].reshape(T, d).index_select(0, tokens)
+        o = _attend_grouped(q_sel, tokens, N, k[:, head // group], v[:, head // group], dropout_p)
+        o = o * gate_rows[:, head].index_select(0, tokens).unsqueeze(1).to(o.dtype)
+        rows[:, head].index_copy_(0, tokens, o.to(rows.dtype))
+    return attn.merge_heads(x, heads.permute(0, 2, 1, 3), None)
+
+
+def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Queries, attention and output projection only for the selected (token, head) pairs."""
+    B, N, C = x.shape
+    T = B * N
+    H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
+    group = H // Hkv  # query heads per key/value head
+    router = attn.router
+    dropout_p = attn.attn_drop.p if attn.training else 0.0
+    dtype = _compute_dtype(x)
+    x = x.to(dtype)  # cast once (under autocast) rather than once per gather
+
+    kv_w, kv_b = _rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    k, v = F.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
+    k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
+    v = v.transpose(1, 2)
+    gates, selected = router(x)  # [B, N, H] each (the linear router reads x only)
+    attn.stats["head_load"] = router.head_load
+
+    shared = H if router.routed_topk == 0 else router.shared_heads
+    topk = router.routed_topk
+    routed = selected[..., shared:].reshape(T, H - shared)  # [T, E]; exactly topk True per row
+    counts = routed.sum(0).tolist()  # tokens per routed head
+    # Rows of `partial`, each a [dim_out] contribution: T shared-head rows (bias included) or one
+    # bias row, then the routed (token, head) pairs grouped by head, in token order within a head.
+    first_pair = T if shared else int(attn.proj.bias is not None)
+    partial = _Rows(first_pair + sum(counts), attn.proj.out_features, x, list(attn.parameters()))
+    if shared:
+        _shared_heads(partial, attn, x, k, v, gates, shared, group, dropout_p)
+    elif attn.proj.bias is not None:
+        partial.row(attn.proj.bias.to(dtype))
+
+    x_rows = x.reshape(T, C)
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        head = shared + e
+        tokens = routed[:, e].nonzero().squeeze(1)  # flat b * N + n, ascending
+        q_w, q_b = _rows(attn.qkv, head * d, (head + 1) * d)
+        q = attn.q_norm(F.linear(x_rows.index_select(0, tokens), q_w, q_b))  # [count, d]
+        kv_head = head // group
+        o = _attend_grouped(q, tokens, N, k[:, kv_head], v[:, kv_head], dropout_p)  # [count, d]
+        partial.linear(o, attn.proj.weight[:, head * d : (head + 1) * d], None)
+
+    # Per token, the indices of its rows in `partial` ([shared/bias row,] then its topk pair rows)
+    # and their weights (1, then the routed gates; the shared rows are gated already).
+    rows = partial.result()
+    head_start = torch.tensor([0, *counts[:-1]], device=x.device).cumsum(0) + first_pair  # [E]
+    bags = (routed.cumsum(0) - 1 + head_start)[routed].view(T, topk)
+    weights = gates[..., shared:].reshape(T, -1)[routed].view(T, topk).to(rows.dtype)
+    if shared or attn.proj.bias is not None:
+        bags = torch.cat([_own_rows(T, shared, x.device), bags], dim=1)
+        weights = torch.cat([weights.new_ones(T, 1), weights], dim=1)
+    with torch.autocast(x.device.type, enabled=False):  # sum in the rows' dtype, no cast of `rows`
+        out = F.embedding_bag(bags, rows, mode="sum", per_sample_weights=weights)  # [T, dim_out]
+    return attn.proj_drop(out.view(B, N, -1))
+
+
+def _own_rows(T: int, shared: int, device: torch.device) -> torch.Tensor:
+    """[T, 1]: each token's shared-heads row, or the single bias row (index 0) without shared heads."""
+    if shared:
+        return torch.arange(T, device=device).unsqueeze(1)
+    return torch.zeros(T, 1, dtype=torch.long, device=device)
+
+
+def _shared_heads(
+    out: _Rows,
+    attn: HeadAttention,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gates: torch.Tensor,
+    shared: int,
+    group: int,
+    dropout_p: float,
+) -> None:
+    """Heads 0..shared-1 densely, through their slice of the output projection plus its bias.
+
+    x: [B, N, C], k/v: [B, H_kv, N, d], gates: [B, N, H]; appends [B * N, dim_out] rows to ``out``."""
+    B, N, _ = x.shape
+    d = attn.head_dim
+    q_w, q_b = _rows(attn.qkv, 0, shared * d)
+    q = attn.q_norm(F.linear(x, q_w, q_b).view(B, N, shared, d).transpose(1, 2))
+    if group > 1:  # grouped keys/values: one copy per shared query head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    heads = F.scaled_dot_product_attention(q, k[:, :shared], v[:, :shared], dropout_p=dropout_p)
+    heads = heads * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
+    merged = heads.transpose(1, 2).reshape(B * N, shared * d)
+    out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias)
+
+
+def _attend_grouped(
+    q: torch.Tensor, tokens: torch.Tensor, N: int, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+) -> torch.Tensor:
+    """One head's selected queries against their own image's keys.
+
+    q: [n, d] for the flat token indices ``tokens`` (ascending, b * N + position); k/v: [B, N, d].
+    Queries are placed per image into a zero-padded [B, cap, d] block (cap = the largest group),
+    attended in one SDPA call, and read back -> [n, d]. Padded rows are computed and discarded.
+    """
+    B = k.shape[0]
+    image = tokens // N
+    counts = torch.bincount(image, minlength=B)
+    starts = torch.cumsum(counts, 0) - counts
+    cap = int(counts.max())
+    slot = image * cap + torch.arange(tokens.numel(), device=q.device) - starts[image]  # row in [B * cap]
+    padded = q.new_zeros(B * cap, q.shape[1]).index_copy_(0, slot, q).view(B, 1, cap, -1)
+    out = F.scaled_dot_product_attention(padded, k.unsqueeze(1), v.unsqueeze(1), dropout_p=dropout_p)
+    return out.reshape(B * cap, -1).index_select(0, slot)

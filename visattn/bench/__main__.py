@@ -1,0 +1,133 @@
+"""CLI: ``python -m visattn.bench attention ...`` / ``python -m visattn.bench model ...``.
+
+Prints a markdown table and writes every measurement (raw samples included) to ``--out`` as JSON.
+Ratios are to the reference (``mha``) measured in the same interleaved rounds; report those, not
+absolute times, on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from visattn.attention import list_attentions
+from visattn.utils.allocator import tune_glibc_malloc
+
+from .attention import Shape, run_attention_bench
+from .models import MODEL_PRESETS, run_model_bench
+from .report import markdown_table
+from .workload import DTYPES
+
+DEFAULT_SHAPES = ["32,197,384,6", "32,256,768,12"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    p.add_argument("--repeats", type=int, default=10, help="timed rounds (median reported)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or this process's CPU time (steadier on a shared machine; use with --threads 1)",
+    )
+    p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step")
+    p.add_argument("--out", type=Path, default=None, help="JSON file for every measurement")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m visattn.bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    att = sub.add_parser("attention", help="one attention layer per variant")
+    att.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="batch,tokens,dim,heads")
+    att.add_argument(
+        "--variants", nargs="+", default=None, help=f"default: all ({', '.join(list_attentions())})"
+    )
+    att.add_argument(
+        "--budgets", nargs="+", type=float, default=[0.5, 0.75, 0.9], help="MoH active-head fractions"
+    )
+    att.add_argument("--no-masked", dest="masked", action="store_false", help="skip MoH's masked dense rows")
+    att.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
+    _common(att)
+    mod = sub.add_parser("model", help="whole presets, images/s")
+    mod.add_argument(
+        "--presets",
+        nargs="+",
+        default=["vit_small", "dit_b2", "transnext_micro"],
+        choices=sorted(MODEL_PRESETS),
+    )
+    mod.add_argument(
+        "--attns",
+        nargs="+",
+        default=["mha", "moh-50", "moh-75", "moh-90"],
+        help="first is the reference; mha, any registered name, or moh-<percent>",
+    )
+    mod.add_argument("--batch", type=int, default=32)
+    mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
+    _common(mod)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    tuned = tune_glibc_malloc()
+    torch.set_num_threads(args.threads)
+    meta = {
+        "mode": args.mode,
+        "argv": sys.argv if argv is None else ["python", "-m", "visattn.bench", *argv],
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "clock": args.clock,
+        "cpu": platform.processor() or platform.machine(),
+        "malloc_tuned": tuned,
+        "memory_measure": "resident-set high-water mark growth during one call (VmHWM after clear_refs)",
+    }
+    if args.mode == "attention":
+        shapes = [Shape.parse(s) for s in args.shapes]
+        variants = args.variants or list_attentions()
+        rows = run_attention_bench(
+            shapes,
+            variants,
+            args.budgets,
+            args.dtypes,
+            args.warmup,
+            args.repeats,
+            args.train,
+            args.memory,
+            clock=args.clock,
+            masked=args.masked,
+        )
+        table = markdown_table(rows, "shape")
+    else:
+        rows = run_model_bench(
+            args.presets,
+            args.attns,
+            args.batch,
+            args.dtypes,
+            args.warmup,
+            args.repeats,
+            args.train,
+            args.memory,
+            clock=args.clock,
+        )
+        table = markdown_table(rows, "preset")
+    result = {"meta": meta, "rows": rows}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.out)
+    sys.stdout.write(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()
