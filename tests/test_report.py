@@ -1,0 +1,155 @@
+"""The benchmark report on synthetic run directories: statistics, honesty rules, tables, plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from visattn.report import compare, group_cells, load_run, summarize, write_report
+from visattn.report.__main__ import main as report_main
+from visattn.report.runs import find_run_dirs, reference_cell
+from visattn.report.stats import intervals_overlap
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CLASSES = ["T-shirt", "Trouser", "Pullover"]
+
+
+def make_run(root: Path, task: str, cell: str, seed: int, heads: tuple[int, int], metrics: dict,
+             routed: bool = False, **extra) -> Path:
+    run = root / task / cell / f"seed{seed}"
+    run.mkdir(parents=True)
+    results = {
+        "task": task, "attn": cell.split("-")[0], "seed": seed, "active_heads": list(heads),
+        "active_ratio": heads[0] / heads[1], "params": 1_234_567, "flops_per_image": 2.5e8,
+        "train_images_per_s": 400.0 + seed, "eval_images_per_s": 1500.0 - 10 * seed,
+        "peak_memory_mb": 300.0, "wall_time_s": 60.0, "config": {"attn": {"name": cell.split("-")[0]}},
+        **metrics, **extra,
+    }
+    (run / "results.json").write_text(json.dumps(results))
+    (run / "cell.json").write_text(json.dumps({
+        "cell": cell, "profile": "full", "command": f"python train_{task}.py seed={seed}",
+        "machine": {"cpu": "Test CPU", "cores": 2, "torch": "2.x"}, "load_average": [0.5, 1.5 + seed],
+    }))
+    with (run / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "epoch", "loss", "aux_loss", "lr", "top1"])
+        writer.writeheader()
+        for epoch in range(3):
+            writer.writerow({"step": 10 * (epoch + 1), "epoch": epoch, "loss": 2.0 / (epoch + 1),
+                             "aux_loss": "", "lr": 1e-3, "top1": 0.5 + 0.1 * epoch})
+    if routed:
+        layers, head_counts = 2, [4, 4]
+        load = [[[0.25 * ((c + h + layer) % 4) for h in range(head_counts[layer])] for c in range(len(CLASSES))]
+                for layer in range(layers)]
+        (run / "head_load.json").write_text(json.dumps(
+            {"classes": CLASSES, "layers": layers, "heads": head_counts, "load": load}))
+    return run
+
+
+@pytest.fixture()
+def study_dirs(tmp_path: Path) -> Path:
+    root = tmp_path / "runs"
+    for seed, top1 in enumerate([0.850, 0.852, 0.848]):
+        make_run(root, "cls", "mha", seed, (8, 8), {"top1": top1, "top5": 0.99, "top1_best": top1})
+    # Mean above MHA's, but the intervals overlap: must read "within noise", never "better".
+    for seed, top1 in enumerate([0.840, 0.870, 0.855]):
+        make_run(root, "cls", "moh-75", seed, (6, 8), {"top1": top1, "top5": 0.99, "top1_best": top1}, routed=True)
+    for seed, top1 in enumerate([0.700, 0.702, 0.698]):
+        make_run(root, "cls", "relu", seed, (8, 8), {"top1": top1, "top5": 0.95, "top1_best": top1})
+    make_run(root, "cls", "mqa", 0, (8, 8), {"top1": 0.95, "top5": 0.99, "top1_best": 0.95})
+    gen = {"precision": 0.6, "recall": 0.5, "is": 5.0, "num_samples": 500, "extractor": "fashion_mnist"}
+    for seed, fid in enumerate([30.0, 31.0, 29.0]):
+        make_run(root, "dit", "mha", seed, (8, 8), {"fid": fid, "sfid": 20.0, **gen})
+    for seed, fid in enumerate([20.0, 21.0, 19.5]):  # lower FID, disjoint intervals: better
+        make_run(root, "dit", "moh-90", seed, (7, 8), {"fid": fid, "sfid": 15.0, **gen}, routed=True)
+    return root
+
+
+def test_summary_matches_student_t() -> None:
+    s = summarize([1.0, 2.0, 3.0])
+    assert (s.n, s.mean, s.std) == (3, 2.0, 1.0)
+    half = 4.302652729911275 / math.sqrt(3)  # t_{0.975, df=2}
+    assert s.low == pytest.approx(2.0 - half) and s.high == pytest.approx(2.0 + half)
+    one = summarize([0.5])
+    assert one.n == 1 and one.low is None and not one.has_interval
+    assert summarize([]) is None
+
+
+def test_overlapping_intervals_are_never_ranked() -> None:
+    ref = summarize([0.850, 0.852, 0.848])
+    higher_mean_but_noisy = summarize([0.840, 0.870, 0.855])
+    assert higher_mean_but_noisy.mean > ref.mean and intervals_overlap(higher_mean_but_noisy, ref)
+    assert compare(higher_mean_but_noisy, ref, higher_is_better=True) == "within noise"
+    assert compare(summarize([0.90, 0.901, 0.902]), ref, higher_is_better=True) == "better"
+    assert compare(summarize([0.70, 0.701, 0.702]), ref, higher_is_better=True) == "worse"
+    # Lower is better (FID): a clearly lower FID is better, not worse.
+    assert compare(summarize([10.0, 10.5, 11.0]), summarize([30.0, 31.0, 29.0]), higher_is_better=False) == "better"
+    assert compare(summarize([0.95]), ref, higher_is_better=True) == "not ranked (n<2)"
+    assert compare(None, ref, higher_is_better=True) == "—"
+
+
+def test_cells_group_seeds_and_find_the_mha_reference(study_dirs: Path) -> None:
+    cells = group_cells(load_run(p) for p in find_run_dirs([study_dirs]))
+    keys = {cell.key: len(cell.runs) for cell in cells}
+    assert keys[("cls", "moh-75", "6/8")] == 3 and keys[("cls", "mqa", "8/8")] == 1
+    assert reference_cell(cells, "dit").variant == "mha"
+
+
+def test_report_tables_verdicts_and_plots(study_dirs: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    report = write_report([study_dirs], out)
+    text = report.read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    comparison = [line for line in text.splitlines() if line.startswith("| moh-75 |") and "within noise" in line]
+    assert comparison, "overlapping intervals must read 'within noise'"
+    assert not any("| better" in line for line in text.splitlines() if line.startswith("| moh-75 |"))
+    assert any(line.startswith("| relu |") and "| worse" in line for line in text.splitlines())
+    assert any(line.startswith("| moh-90 |") and "| better" in line for line in text.splitlines())
+    assert "n=1, no interval" in text and "not ranked (n<2)" in text
+    assert "85.00 ± 0.20 [84.50, 85.50]" in text  # mha top-1: mean ± std [95% t-interval], in percent
+    assert "fashion_mnist / 500" in text  # the extractor is named with the sample count
+    assert "Test CPU (2 usable cores)" in text and "python train_cls.py seed=0" in text
+    assert "load average at the start and end of the runs: 0.5 to 3.5" in text
+    assert "1.00× (1490 img/s)" in text  # MHA's own inference throughput ratio
+    assert "mha" in rows
+    expected = [
+        "cls_top1_vs_active_heads.png", "cls_top1_vs_throughput.png", "cls_training_curves.png",
+        "cls_head_load_moh-75_6-8.png", "dit_fid_vs_active_heads.png", "dit_fid_vs_throughput.png",
+        "dit_training_curves.png", "dit_head_load_moh-90_7-8.png",
+    ]
+    for name in expected:
+        path = out / name
+        assert path.is_file() and path.read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in text, f"{name} not linked from REPORT.md"
+
+
+def test_unmeasured_values_are_a_dash_never_estimated(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "runs", "cls", "mha", 0, (8, 8), {"top1": 0.8})
+    results = json.loads((run / "results.json").read_text())
+    del results["peak_memory_mb"]
+    (run / "results.json").write_text(json.dumps(results))
+    text = write_report([run], tmp_path / "out").read_text()
+    cost_row = next(line for line in text.splitlines() if line.startswith("| mha |") and "img/s" in line)
+    assert "| — |" in cost_row  # peak memory absent
+    assert "SMOKE TEST" not in text
+
+
+def test_cli_writes_report_and_flags_smoke_tests(tmp_path: Path, capsys) -> None:
+    run = make_run(tmp_path / "runs", "cls", "mha", 0, (8, 8), {"top1": 0.8})
+    info = json.loads((run / "cell.json").read_text())
+    (run / "cell.json").write_text(json.dumps({**info, "profile": "quick"}))
+    report_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().out.strip().endswith("REPORT.md")
+    assert "SMOKE TEST" in (tmp_path / "out" / "REPORT.md").read_text()
+
+
+def test_missing_results_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no results.json"):
+        find_run_dirs([tmp_path])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        find_run_dirs([tmp_path / "nope"])
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        load_run(tmp_path)

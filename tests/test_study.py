@@ -1,0 +1,138 @@
+"""The study driver: its plan and budgets, every quick cell's config composes, and a first run runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from visattn.data.sources import fashion_mnist_available
+from visattn.study import format_override, load_study_config, plan_runs, run_study
+from visattn.study.plan import REPO_ROOT, merge_overrides
+from visattn.study.subset import balanced_indices, write_fashion_mnist_subset
+
+CONF = REPO_ROOT / "conf"
+HEADS_PER_LAYER, DEPTH = 8, 6
+needs_fashion_mnist = pytest.mark.skipif(not fashion_mnist_available(), reason="Fashion-MNIST is not installed")
+
+
+def _cells() -> dict[str, dict]:
+    cfg = OmegaConf.to_container(load_study_config("quick"))
+    return {cell["name"]: cell for cell in cfg["cells"]}
+
+
+def _without_hydra(overrides) -> list[str]:
+    return [o for o in overrides if not o.startswith("hydra.")]
+
+
+def test_override_grammar() -> None:
+    assert format_override("budget.shared_heads", [3, 3, 4]) == "budget.shared_heads=[3,3,4]"
+    assert format_override("attn.two_stage", False) == "attn.two_stage=false"
+    assert format_override("x", None) == "x=null"
+    # A later override of a key replaces the earlier one, in its place (Hydra would apply both).
+    assert merge_overrides(["data.root=/a", "seed=0", "++data.root=/b"]) == ("++data.root=/b", "seed=0")
+
+
+def test_head_budgets_follow_the_shallow_few_deep_many_rule() -> None:
+    cells = _cells()
+    total = HEADS_PER_LAYER * DEPTH
+    for name, ratio in (("moh-50", 0.50), ("moh-75", 0.75), ("moh-90", 0.90)):
+        active = [s + k for s, k in zip(cells[name]["shared_heads"], cells[name]["routed_topk"], strict=True)]
+        assert len(active) == DEPTH and active == sorted(active), name  # never fewer heads deeper
+        assert abs(sum(active) / total - ratio) < 1 / total, name
+    for ablation in ("moh-75-no-shared", "moh-75-one-stage"):
+        cell = cells[ablation]
+        assert sum(s + k for s, k in zip(cell["shared_heads"], cell["routed_topk"], strict=True)) == 36
+    assert cells["moh-75-no-shared"]["shared_heads"] == [0] * DEPTH
+    assert cells["moh-dense-soft"]["routed_topk"] == [0] * DEPTH
+    # Plain MHA with fewer heads gets exactly the routed cells' budgets.
+    assert sum(cells["mha-fewer-heads-75"]["num_heads"]) == 36 and sum(cells["mha-fewer-heads-50"]["num_heads"]) == 24
+
+
+def test_profiles_plan_every_cell_and_enough_seeds(tmp_path: Path) -> None:
+    quick, full = plan_runs("quick", tmp_path), plan_runs("full", tmp_path)
+    cells, tasks = _cells(), load_study_config("quick").tasks
+    assert {(s.task, s.cell) for s in quick} == {(t, c) for t in tasks for c in cells}
+    assert {s.seed for s in quick} == {0}
+    assert all(len({s.seed for s in full if (s.task, s.cell) == key}) >= 3 for key in {(s.task, s.cell) for s in full})
+    assert len({s.run_dir for s in full}) == len(full)  # no two runs share a directory
+    with pytest.raises(ValueError, match="unknown cell"):
+        plan_runs("quick", tmp_path, cells=["nope"])
+    with pytest.raises(ValueError, match="profile='huge'"):
+        plan_runs("huge", tmp_path)
+
+
+def test_balanced_subset_indices() -> None:
+    labels = np.array([0, 1, 0, 2, 1, 0, 2, 2, 1])
+    assert balanced_indices(labels, 2).tolist() == [0, 1, 2, 3, 4, 6]
+    with pytest.raises(ValueError, match="fewer than per_class=4"):
+        balanced_indices(labels, 4)
+
+
+def _expected_heads(cell: dict) -> tuple[int, int]:
+    if cell.get("num_heads"):
+        return sum(cell["num_heads"]), sum(cell["num_heads"])
+    if cell.get("shared_heads"):
+        return sum(s + k for s, k in zip(cell["shared_heads"], cell["routed_topk"], strict=True)), 48
+    return 48, 48
+
+
+def _build_on_meta(task: str, cfg):
+    """The task's own model builder on the meta device (config validation for cls included)."""
+    import torch
+
+    with torch.device("meta"):
+        if task == "cls":
+            from visattn.engine.cls_setup import validate_cls_config
+
+            return validate_cls_config(cfg)
+        from visattn.engine.dit_trainer import build_model
+
+        return build_model(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("task", ["cls", "dit"])
+def test_every_quick_cell_composes_and_builds_its_budget(task: str, tmp_path: Path) -> None:
+    from visattn import active_heads
+
+    cells = _cells()
+    specs = plan_runs("quick", tmp_path, tasks=[task])
+    (tmp_path / "data" / "fashion-mnist-500-100-per-class").mkdir(parents=True)  # validated as a folder only
+    config_name = load_study_config("quick").tasks[task].config_name
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for spec in specs:
+            cfg = compose(config_name, overrides=_without_hydra(spec.overrides))
+            assert cfg.data.name == "fashion_mnist" and cfg.seed == spec.seed
+            model = _build_on_meta(task, cfg)
+            assert active_heads(model) == _expected_heads(cells[spec.cell]), spec.cell
+
+
+@needs_fashion_mnist
+def test_quick_study_first_run_writes_results_and_report(tmp_path: Path) -> None:
+    """One routed cell of the quick profile, shrunk to a few steps, through the real entry point."""
+    data = write_fashion_mnist_subset(tmp_path / "fm", train_per_class=3, test_per_class=2)
+    shrink = [f"data.root={data}", "train.batch_size=10", "train.eval_batch_size=20"]
+    specs = plan_runs("quick", tmp_path / "study", tasks=["cls"], cells=["moh-75"], extra_overrides={"cls": shrink})
+    assert len(specs) == 1 and f"data.root={data}" in specs[0].overrides
+    report, outcomes = run_study(specs, tmp_path / "study", "quick", "test run", timeout_s=300)
+    assert [o.status for o in outcomes] == ["done"], (specs[0].run_dir / "train.log").read_text()[-2000:]
+    results = json.loads((specs[0].run_dir / "results.json").read_text())
+    assert results["active_heads"] == [36, 48] and results["train_steps"] == 3
+    assert json.loads((specs[0].run_dir / "cell.json").read_text())["cell"] == "moh-75"
+    text = report.read_text()
+    assert "SMOKE TEST" in text and "| moh-75 |" in text
+    assert (tmp_path / "study" / "cls_head_load_moh-75_36-48.png").is_file()
+
+
+def test_cli_dry_run_prints_commands_with_the_thread_override(tmp_path: Path, capsys) -> None:
+    from visattn.study.__main__ import main
+
+    assert main(["--profile", "full", "--out", str(tmp_path), "--dry-run", "--cell", "mha", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 6  # 2 tasks x 3 seeds
+    assert all(line.count("train.num_threads=") == 1 and "train.num_threads=1" in line for line in lines)
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing

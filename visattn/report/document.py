@@ -1,0 +1,120 @@
+"""Assemble REPORT.md (tables, plots, header with date, machine and commands) from run directories."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from . import plots
+from .machine import describe_machine, machine_line
+from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
+from .runs import Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
+from .stats import CONFIDENCE
+from .tables import comparison_table, cost_table, noise_statement, quality_table
+
+log = logging.getLogger(__name__)
+
+SMOKE_PROFILES = {"quick"}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "x"
+
+
+def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | None) -> list[str]:
+    profiles = sorted({str(r.cell_info["profile"]) for r in runs if r.cell_info.get("profile")})
+    lines = [f"# {title}", ""]
+    if SMOKE_PROFILES & set(profiles):
+        lines += [
+            "> **SMOKE TEST** (profile `quick`): one seed and a few steps per cell, to check the pipeline "
+            "end to end. These numbers are not results; no interval exists with one seed, so nothing is ranked.",
+            "",
+        ]
+    if note:
+        lines += [f"> {note}", ""]
+    run_machines = sorted({machine_line(r.cell_info["machine"]) for r in runs if r.cell_info.get("machine")})
+    lines.append(f"- Generated: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}")
+    if run_machines:
+        lines += [f"- Runs' machine: {m}" for m in run_machines]
+    lines.append(f"- Report machine: {machine_line(describe_machine())}")
+    loads = [value for r in runs for value in r.cell_info.get("load_average") or []]
+    if loads:
+        lines.append(
+            f"- 1-minute load average at the start and end of the runs: {min(loads):.1f} to {max(loads):.1f} "
+            "(throughput and wall times are only comparable between runs made at similar load)"
+        )
+    if profiles:
+        lines.append(f"- Study profile(s): {', '.join(profiles)}")
+    lines.append(f"- {len(runs)} runs in {len(cells)} cells (task × attention variant × head budget; runs = seeds)")
+    lines += [
+        f"- Statistics: mean ± sample std over seeds, then the {CONFIDENCE:.0%} Student-t interval in brackets. "
+        "A variant is called better or worse than MHA only when both intervals exist and do not overlap; "
+        "otherwise the difference is inside the seed noise and it is not ranked.",
+        "- Throughput and peak memory were measured by each run on its machine; ratios are of the means "
+        "over seeds to the same task's MHA. A dash (—) means the runs did not measure it.",
+        "",
+    ]
+    return lines
+
+
+def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
+    reference = reference_cell(cells, task)
+    lines = [f"## {TASK_TITLES.get(task, task)}", ""]
+    if reference is None:
+        lines += ["No `mha` cell for this task: ratios and comparisons with MHA are absent.", ""]
+    lines += ["### Quality", "", quality_table(cells, reference), ""]
+    lines += ["### Compared with MHA (same task)", "", noise_statement(cells, reference), "",
+              comparison_table(cells, reference), ""]
+    lines += ["### Cost", "", cost_table(cells, reference), ""]
+    if task in INFERENCE_THROUGHPUT:
+        lines += [f"Inference throughput here is the {INFERENCE_THROUGHPUT[task]}.", ""]
+    metric = headline_metric(task)
+    key = metric.key if metric else "quality"
+    figures = [
+        ("active heads", plots.quality_vs_heads(cells, reference, out / f"{task}_{key}_vs_active_heads.png")),
+        ("throughput", plots.quality_vs_throughput(cells, out / f"{task}_{key}_vs_throughput.png")),
+        ("training curves", plots.training_curves(cells, out / f"{task}_training_curves.png")),
+    ]
+    lines += ["### Plots", ""]
+    for name, path in figures:
+        if path:
+            lines += [f"![{TASK_TITLES.get(task, task)}: {name}]({path.name})", ""]
+    if not any(path for _, path in figures):
+        lines += ["— (nothing to plot)", ""]
+    routed = [cell for cell in cells if cell.routed]
+    if routed:
+        lines += ["### Head load per class (routed variants; cf. MoH Figure 3)", ""]
+        for cell in routed:
+            name = f"{task}_head_load_{_slug(cell.variant)}_{_slug(cell.budget)}.png"
+            path = plots.head_load_heatmaps(cell, out / name)
+            if path:
+                lines += [f"![{cell.variant} head load]({path.name})", ""]
+    return lines
+
+
+def _commands(runs: Sequence[Run]) -> list[str]:
+    lines = ["## Commands", "", "<details><summary>Command line of every run</summary>", "", "```"]
+    for run in runs:
+        lines.append(run.command or f"# {run.path.name}: command not recorded")
+    lines += ["```", "", "</details>", ""]
+    return lines
+
+
+def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "visattn benchmark report",
+                 note: str | None = None) -> Path:
+    """Read every run under ``paths`` and write ``out/REPORT.md`` with its PNG plots; returns the file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(path) for path in find_run_dirs(paths)]
+    cells = group_cells(runs)
+    log.info("report: %d runs in %d cells -> %s", len(runs), len(cells), out)
+    lines = _header(runs, cells, title, note)
+    for task in dict.fromkeys(cell.task for cell in cells):
+        lines += _task_section(task, [cell for cell in cells if cell.task == task], out)
+    lines += _commands(runs)
+    report = out / "REPORT.md"
+    report.write_text("\n".join(lines))
+    return report

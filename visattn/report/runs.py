@@ -1,0 +1,177 @@
+"""Read training run directories (the run-dir contract) and group them into cells.
+
+A run directory holds ``results.json`` (required), ``metrics.csv`` and, for routed attention,
+``head_load.json``. The study driver also writes ``cell.json`` (``cell`` label, ``profile``,
+``command``, ``machine``); runs without it are labelled from their attention config, and their
+command line is rebuilt from Hydra's ``.hydra/overrides.yaml`` when present.
+
+A cell is (task, variant, head budget); its runs are the seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENTRY_POINTS = {"cls": "train_cls.py", "dit": "train_dit.py"}
+# Attention kwargs that distinguish two variants with one registered name (ablations).
+DISTINGUISHING_KWARGS = ("two_stage", "router", "gate", "num_kv_heads")
+
+
+@dataclass
+class Run:
+    """One training run: its directory and what it wrote."""
+
+    path: Path
+    results: dict[str, Any]
+    metrics: list[dict[str, float | None]] = field(default_factory=list)
+    head_load: dict[str, Any] | None = None
+    cell_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def task(self) -> str:
+        return str(self.results.get("task", "?"))
+
+    @property
+    def variant(self) -> str:
+        return self.cell_info.get("cell") or _variant_from_config(self.results)
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        heads = self.results.get("active_heads")
+        return (int(heads[0]), int(heads[1])) if heads else None
+
+    @property
+    def budget(self) -> str:
+        heads = self.heads
+        return f"{heads[0]}/{heads[1]}" if heads else "—"
+
+    @property
+    def seed(self) -> Any:
+        return self.results.get("seed")
+
+    @property
+    def command(self) -> str | None:
+        if self.cell_info.get("command"):
+            return str(self.cell_info["command"])
+        overrides = self.path / ".hydra" / "overrides.yaml"
+        if overrides.is_file():
+            items = yaml.safe_load(overrides.read_text()) or []
+            return " ".join(["python", ENTRY_POINTS.get(self.task, "<entry point>"), *map(str, items)])
+        return None
+
+    def value(self, key: str) -> float | None:
+        """A numeric result, or None when the run did not measure it."""
+        value = self.results.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value)
+
+
+@dataclass
+class Cell:
+    """The seeds of one (task, variant, budget)."""
+
+    task: str
+    variant: str
+    budget: str
+    runs: list[Run]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.task, self.variant, self.budget)
+
+    @property
+    def heads(self) -> tuple[int, int] | None:
+        return self.runs[0].heads
+
+    @property
+    def routed(self) -> bool:
+        return any(run.head_load for run in self.runs)
+
+    def values(self, key: str) -> list[float]:
+        return [v for v in (run.value(key) for run in self.runs) if v is not None]
+
+    def text(self, key: str) -> str | None:
+        """A string result shared by every seed (e.g. the FID extractor); joined when they differ."""
+        found = sorted({str(run.results[key]) for run in self.runs if run.results.get(key) is not None})
+        return ", ".join(found) if found else None
+
+
+def _variant_from_config(results: dict[str, Any]) -> str:
+    name = str(results.get("attn", "?"))
+    attn_cfg = (results.get("config") or {}).get("attn") or {}
+    extras = [f"{k}={attn_cfg[k]}" for k in DISTINGUISHING_KWARGS if attn_cfg.get(k) is not None]
+    return f"{name}[{','.join(extras)}]" if extras else name
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def read_metrics_csv(path: Path) -> list[dict[str, float | None]]:
+    """Rows of ``metrics.csv`` with every value parsed as a float (None where empty or not numeric)."""
+    with path.open(newline="") as handle:
+        return [{key: _number(value) for key, value in row.items() if key} for row in csv.DictReader(handle)]
+
+
+def load_run(path: str | Path) -> Run:
+    """Load one run directory; FileNotFoundError when it has no results.json."""
+    path = Path(path)
+    results_file = path / "results.json"
+    if not results_file.is_file():
+        raise FileNotFoundError(f"{results_file} does not exist: pass run directories that hold a results.json")
+    try:
+        results = json.loads(results_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{results_file} is not valid JSON ({err}); re-run or remove that run directory") from err
+    metrics_file, head_load_file, cell_file = path / "metrics.csv", path / "head_load.json", path / "cell.json"
+    return Run(
+        path=path,
+        results=results,
+        metrics=read_metrics_csv(metrics_file) if metrics_file.is_file() else [],
+        head_load=json.loads(head_load_file.read_text()) if head_load_file.is_file() else None,
+        cell_info=json.loads(cell_file.read_text()) if cell_file.is_file() else {},
+    )
+
+
+def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Every directory at or below ``paths`` that holds a results.json, sorted, without duplicates."""
+    found: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist: pass run directories (or folders holding them)")
+        if (path / "results.json").is_file():
+            found.add(path.resolve())
+        elif path.is_dir():
+            found.update(p.parent.resolve() for p in path.rglob("results.json"))
+    if not found:
+        raise FileNotFoundError(f"no results.json under {[str(p) for p in paths]}: no finished runs to report")
+    return sorted(found)
+
+
+def group_cells(runs: Iterable[Run]) -> list[Cell]:
+    """Group runs into cells, ordered by task, then by first appearance (the study's cell order)."""
+    cells: dict[tuple[str, str, str], Cell] = {}
+    for run in runs:
+        key = (run.task, run.variant, run.budget)
+        cells.setdefault(key, Cell(*key, runs=[])).runs.append(run)
+    return sorted(cells.values(), key=lambda cell: cell.task)
+
+
+def reference_cell(cells: Iterable[Cell], task: str) -> Cell | None:
+    """The task's MHA baseline: the ``mha`` cell with the most heads (plain MHA at full width)."""
+    candidates = [c for c in cells if c.task == task and c.variant == "mha" and c.heads]
+    return max(candidates, key=lambda c: c.heads[1], default=None)

@@ -1,0 +1,57 @@
+"""``python -m visattn.study --profile quick|full --out DIR``: train every cell, then write DIR/REPORT.md.
+
+``--dry-run`` prints the command lines without running them; ``--task`` / ``--cell`` / ``--seed``
+run a subset (repeatable). Re-running the same command resumes: finished runs are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from .plan import PROFILES, load_study_config, plan_runs, subset_dir
+from .runner import run_study
+from .subset import write_fashion_mnist_subset
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m visattn.study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=PROFILES, required=True,
+                        help="quick: 1 seed, few steps (a smoke test, < 20 min on 2 cores); full: 3 seeds (< 4 h)")
+    parser.add_argument("--out", required=True, type=Path, help="study folder: runs/, study.json, REPORT.md, plots")
+    parser.add_argument("--task", action="append", help="only this task (cls or dit); repeatable")
+    parser.add_argument("--cell", action="append", help="only this cell (a name in conf/study/cells.yaml); repeatable")
+    parser.add_argument("--seed", action="append", type=int, help="only this seed; repeatable")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per run (default: the profile's); 1 on a machine shared with other jobs")
+    parser.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    out = args.out.resolve()
+    cfg = load_study_config(args.profile)
+    extra = {}
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads={args.threads} must be >= 1")
+        extra = {task: [f"{task_cfg['keys']['threads']}={args.threads}"] for task, task_cfg in cfg.tasks.items()}
+    specs = plan_runs(args.profile, out, tasks=args.task, cells=args.cell, seeds=args.seed, extra_overrides=extra)
+    if args.dry_run:
+        print("\n".join(spec.command for spec in specs))
+        return 0
+    subset = subset_dir(cfg, out)
+    if subset is not None:
+        write_fashion_mnist_subset(subset, cfg.data_subset.train_per_class, cfg.data_subset.test_per_class)
+    command = shlex.join(["python", "-m", "visattn.study", *(sys.argv[1:] if argv is None else argv)])
+    report, outcomes = run_study(specs, out, args.profile, str(cfg.description), command=command,
+                                 timeout_s=cfg.get("timeout_s"))
+    if report is not None:
+        print(report)
+    return 1 if report is None or any(o.failed for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

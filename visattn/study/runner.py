@@ -1,0 +1,100 @@
+"""Run a study plan: launch each training run as a subprocess, one after the other, then report.
+
+Runs whose directory already holds a results.json are skipped, so an interrupted study resumes
+where it stopped. A failed or timed-out run is logged (its output stays in ``train.log``) and the
+study goes on; the report then covers the runs that finished.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from visattn.engine.results import write_json
+from visattn.report.document import write_report
+from visattn.report.machine import describe_machine
+
+from .plan import REPO_ROOT, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOutcome:
+    spec: RunSpec
+    status: str  # "done" | "skipped (results.json exists)" | "failed (exit N)" | "timed out"
+    wall_time_s: float
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "done" and not self.status.startswith("skipped")
+
+
+def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = sys.executable) -> RunOutcome:
+    """Launch one run (its output to ``run_dir/train.log``); never raises for a failed run."""
+    if (spec.run_dir / "results.json").is_file():
+        return RunOutcome(spec, "skipped (results.json exists)", 0.0)
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    cell_info = {"cell": spec.cell, "task": spec.task, "seed": spec.seed, "profile": profile,
+                 "command": spec.command, "machine": describe_machine()}
+    write_json(spec.run_dir / "cell.json", cell_info)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    with (spec.run_dir / "train.log").open("w") as logfile:
+        try:
+            code = subprocess.run(spec.argv(python), cwd=REPO_ROOT, stdout=logfile, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s, check=False).returncode
+        except subprocess.TimeoutExpired:
+            return RunOutcome(spec, "timed out", time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    # Other processes on the machine skew measured throughput; the report shows this load.
+    write_json(spec.run_dir / "cell.json", {**cell_info, "load_average": [load_before, os.getloadavg()[0]]})
+    if code != 0:
+        return RunOutcome(spec, f"failed (exit {code})", wall)
+    if not (spec.run_dir / "results.json").is_file():
+        return RunOutcome(spec, "failed (no results.json)", wall)
+    return RunOutcome(spec, "done", wall)
+
+
+def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: str, command: str = "",
+              timeout_s: float | None = None, python: str = sys.executable) -> tuple[Path | None, list[RunOutcome]]:
+    """Run every spec in order, write ``out/study.json`` and ``out/REPORT.md``; returns the report
+    (None when no run finished) and the outcomes. ``command`` is the study's own command line."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = dt.datetime.now(dt.timezone.utc)
+    outcomes = []
+    for index, spec in enumerate(specs, 1):
+        log.info("[%d/%d] %s %s seed %d: %s", index, len(specs), spec.task, spec.cell, spec.seed, spec.command)
+        outcome = run_one(spec, profile, timeout_s, python)
+        outcomes.append(outcome)
+        log.log(logging.ERROR if outcome.failed else logging.INFO, "[%d/%d] %s in %.0f s (log: %s)", index, len(specs), outcome.status, outcome.wall_time_s,
+                spec.run_dir / "train.log")
+    finished = dt.datetime.now(dt.timezone.utc)
+    write_json(out / "study.json", {
+        "profile": profile, "description": description, "machine": describe_machine(), "command": command,
+        "started": started.isoformat(), "finished": finished.isoformat(),
+        "wall_time_s": (finished - started).total_seconds(),
+        "runs": [{"task": o.spec.task, "cell": o.spec.cell, "seed": o.spec.seed, "run_dir": str(o.spec.run_dir),
+                  "status": o.status, "wall_time_s": o.wall_time_s, "command": o.spec.command} for o in outcomes],
+    })
+    failed = [o for o in outcomes if o.failed]
+    finished_dirs = [o.spec.run_dir for o in outcomes if (o.spec.run_dir / "results.json").is_file()]
+    if not finished_dirs:
+        log.error("no run finished; no report written (see the train.log files under %s)", out / "runs")
+        return None, outcomes
+    note = f"Profile `{profile}`: {description} Study wall time {(finished - started).total_seconds() / 60:.1f} min."
+    if command:
+        note += f" Command: `{command}`."
+    if failed:
+        note += " Runs that did not finish (absent from the tables): " + "; ".join(
+            f"{o.spec.task}/{o.spec.cell}/seed{o.spec.seed} {o.status}" for o in failed) + "."
+    report = write_report(finished_dirs, out, title=f"visattn benchmark study ({profile} profile)", note=note)
+    return report, outcomes
+
