@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import resource
 import sys
@@ -16,9 +15,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .checkpoint import atomic_write_bytes
+from visattn.utils.flops import count_flops
 
-log = logging.getLogger(__name__)
+from .checkpoint import atomic_write_bytes
 
 RESULTS_FILE = "results.json"
 
@@ -73,14 +72,8 @@ def peak_memory_mb(device: torch.device | str | None = None) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
-def model_flops(model: nn.Module, *inputs: torch.Tensor) -> float | None:
-    """Forward FLOPs of ``model(*inputs)`` via ``visattn.utils.flops.count_flops``; None where that
-    counter is not available."""
-    try:
-        from visattn.utils.flops import count_flops
-    except ImportError:
-        log.warning("visattn.utils.flops is not available; FLOPs are not reported")
-        return None
+def model_flops(model: nn.Module, *inputs: torch.Tensor) -> float:
+    """Inference FLOPs of ``model(*inputs)`` (eval mode, so MoH counts its sparse path)."""
     was_training = model.training
     model.eval()
     try:
