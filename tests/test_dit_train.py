@@ -1,0 +1,107 @@
+"""train_dit's machinery end to end on tiny shapes: the SD VAE loader, the latent cache, resume."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from visattn.data.latents import read_latent_cache
+from visattn.engine.checkpoint import load_train_state
+from visattn.engine.distributed import DistInfo
+from visattn.engine.dit_trainer import checkpoint_path, run
+from visattn.models.vae import load_sd_vae
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CPU = DistInfo(0, 1, 0, torch.device("cpu"))
+TINY_MODEL = [
+    "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
+    "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "eval.enabled=false",
+    "sample.steps=4", "sample.num_samples=3", "sample.grid=3",
+]
+
+
+def config(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="train_dit", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_vae_dir(tmp_path_factory):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(8, 16),
+        layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=8,
+    )
+    path = tmp_path_factory.mktemp("vae") / "sd-vae-ft-ema"
+    vae.save_pretrained(path)
+    return path
+
+
+def test_missing_vae_says_where_to_put_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="sd-vae-ft-ema"):
+        load_sd_vae(tmp_path / "nowhere")
+
+
+def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_path):
+    vae_args = ["vae=sd", f"vae.path={tiny_vae_dir}", "vae.downsample=2", f"data.latents={tmp_path / 'cache'}"]
+    out = run(config("mode=cache_latents", "cache.shard_size=16", "cache.batch_size=12",
+                     "cache.max_images=40", *vae_args), CPU, tmp_path)
+    assert out["shards"] == 3 and out["images"] == 40
+    cache = read_latent_cache(tmp_path / "cache")
+    assert cache.mean.shape == (40, 2, 4, 4, 4) and cache.scale == pytest.approx(0.18215)
+
+    from visattn.data.sources import load_digits_arrays
+
+    images, labels = load_digits_arrays("train")
+    vae = load_sd_vae(tiny_vae_dir)
+    x = torch.from_numpy(images[:5]).permute(0, 3, 1, 2).float().div(127.5).sub(1).expand(-1, 3, -1, -1)
+    for view, batch in enumerate((x, x.flip(-1))):
+        mean, std = vae.encode_moments(batch)
+        torch.testing.assert_close(cache.mean[:5, view].float(), mean, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(cache.std[:5, view].float(), std, atol=2e-3, rtol=2e-3)
+    assert torch.equal(cache.labels, torch.from_numpy(labels[:40]))
+    z, y = cache.batch(torch.arange(4))
+    assert z.shape == (4, 4, 4, 4) and torch.equal(y, cache.labels[:4])
+
+    run_dir = tmp_path / "run"
+    run(config("train.steps=2", *TINY_MODEL, *vae_args), CPU, run_dir)
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), CPU, run_dir)
+    with np.load(run_dir / "samples.npz") as f:
+        assert f["arr_0"].shape == (3, 8, 8, 3) and f["arr_0"].dtype == np.uint8
+    assert (run_dir / "samples.png").is_file()
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), CPU, straight)
+    run(config("train.steps=2", *TINY_MODEL), CPU, split)
+    run(config("train.steps=4", "train.ckpt_every=2", "resume=true", *TINY_MODEL), CPU, split)
+    a, b = load_train_state(checkpoint_path(straight)), load_train_state(checkpoint_path(split))
+    assert a["step"] == b["step"] == 4
+    for part in ("model", "model_ema"):
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), f"{part}.{key} differs after resume"
+    rows = (split / "metrics.csv").read_text().strip().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+    load = json.loads((split / "head_load.json").read_text())
+    assert load["layers"] == 2 and load["heads"] == [4, 4] and len(load["load"][0]) == 10
+    # Default MoH budget for 4 heads: 2 shared + 1 routed of 2 -> per class the loads sum to 3 heads.
+    np.testing.assert_allclose(np.asarray(load["load"]).sum(-1), 3.0, rtol=1e-5)
+
+
+def test_bad_settings_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="data.latents=DIR"):
+        run(config("vae=sd", *TINY_MODEL), CPU, tmp_path)
+    with pytest.raises(ValueError, match="mode='nope'"):
+        run(config("mode=nope"), CPU, tmp_path)
+    with pytest.raises(ValueError, match="ckpt=PATH"):
+        run(config("mode=sample", *TINY_MODEL), CPU, tmp_path)
