@@ -10,10 +10,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from visattn.data.latents import read_latent_cache
-from visattn.engine.checkpoint import load_train_state
 from visattn.engine.distributed import DistInfo
 from visattn.engine.dit_trainer import checkpoint_path, run
 from visattn.models.vae import load_sd_vae
+from visattn.utils.checkpoint import load_train_state
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 CPU = DistInfo(0, 1, 0, torch.device("cpu"))

@@ -7,7 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from visattn.engine.checkpoint import (
+from visattn.engine.distributed import all_reduce_sum, broadcast_object, init_distributed
+from visattn.engine.ema import ModelEMA
+from visattn.engine.results import Throughput, count_params, write_results
+from visattn.engine.runlog import MetricsLogger
+from visattn.utils.checkpoint import (
     load_train_state,
     load_weights,
     rng_state,
@@ -15,10 +19,6 @@ from visattn.engine.checkpoint import (
     save_weights,
     set_rng_state,
 )
-from visattn.engine.distributed import all_reduce_sum, broadcast_object, init_distributed
-from visattn.engine.ema import ModelEMA
-from visattn.engine.results import Throughput, count_params, write_results
-from visattn.engine.runlog import MetricsLogger
 
 
 def test_weights_roundtrip_safetensors_and_wrapped_pth(tmp_path):
@@ -31,6 +31,13 @@ def test_weights_roundtrip_safetensors_and_wrapped_pth(tmp_path):
     loaded = load_weights(tmp_path / "d.pth")
     assert set(loaded) == {"weight", "bias"} and torch.equal(loaded["bias"], model.bias)
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_load_weights_picks_the_ema_copy_of_a_dit_training_checkpoint(tmp_path):
+    model, ema = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    torch.save({"model": model, "ema": ema, "opt": {}}, tmp_path / "0400000.pt")
+    assert torch.equal(load_weights(tmp_path / "0400000.pt")["w"], model["w"])
+    assert torch.equal(load_weights(tmp_path / "0400000.pt", prefer_ema=True)["w"], ema["w"])
 
 
 def test_load_weights_missing_file_names_path(tmp_path):

@@ -27,4 +27,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from . import models  # noqa: E402  (registers visattn_vit_* and visattn_transnext_* with timm)
+from . import models  # noqa: E402, F401  (registers visattn_vit_* and visattn_transnext_* with timm)

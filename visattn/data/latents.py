@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
-from visattn.engine.checkpoint import atomic_write_bytes
+from visattn.utils.checkpoint import atomic_write_bytes
 
 SHARD_PATTERN = "latents-{:05d}.safetensors"
 META_FILE = "meta.json"

@@ -16,8 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 import visattn.models  # noqa: F401  (registers the visattn_* timm models)
 from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
 from visattn.data.datasets import check_data_config
-
-from .checkpoint import load_weights
+from visattn.utils.checkpoint import load_weights
 
 log = logging.getLogger(__name__)
 

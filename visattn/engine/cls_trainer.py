@@ -24,8 +24,7 @@ from tqdm import tqdm
 from visattn.attention import active_heads, aux_loss
 from visattn.data.datasets import build_datasets
 from visattn.data.loaders import build_loaders, build_mixup
-
-from .checkpoint import (
+from visattn.utils.checkpoint import (
     load_train_state,
     load_weights,
     rng_state,
@@ -34,6 +33,7 @@ from .checkpoint import (
     set_rng_state,
     weights_metadata,
 )
+
 from .cls_eval import HeadLoadMeter, evaluate
 from .cls_setup import (
     BEST_WEIGHTS,

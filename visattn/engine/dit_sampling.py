@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 
 from visattn.data.latents import to_uint8
 from visattn.diffusion import GaussianDiffusion, sample_generators, sample_loop, sampling_fn
-from visattn.engine.checkpoint import atomic_write_bytes
 from visattn.engine.distributed import DistInfo, barrier
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, dataset_images, save_npz_batch
+from visattn.utils.checkpoint import atomic_write_bytes
 
 SAMPLES_FILE = "samples.npz"
 GRID_FILE = "samples.png"

@@ -29,14 +29,6 @@ from visattn.data.latents import PixelData, pad_to, read_latent_cache
 from visattn.data.loaders import train_sampler
 from visattn.data.sources import load_arrays
 from visattn.diffusion import GaussianDiffusion, conditional_fn
-from visattn.engine.checkpoint import (
-    load_train_state,
-    load_weights,
-    rng_state,
-    save_train_state,
-    save_weights,
-    set_rng_state,
-)
 from visattn.engine.cls_eval import HeadLoadMeter
 from visattn.engine.distributed import DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object
 from visattn.engine.dit_sampling import EMBEDDED_DATASETS, build_scorer, generate_all, save_samples
@@ -51,6 +43,14 @@ from visattn.engine.results import (
 )
 from visattn.engine.runlog import MetricsLogger
 from visattn.models.dit import DiT, create_dit
+from visattn.utils.checkpoint import (
+    load_train_state,
+    load_weights,
+    rng_state,
+    save_train_state,
+    save_weights,
+    set_rng_state,
+)
 
 log = logging.getLogger(__name__)
 

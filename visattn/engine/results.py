@@ -15,9 +15,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from visattn.utils.checkpoint import atomic_write_bytes
 from visattn.utils.flops import count_flops
-
-from .checkpoint import atomic_write_bytes
 
 RESULTS_FILE = "results.json"
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import atomic_write_bytes
+from visattn.utils.checkpoint import atomic_write_bytes
 
 METRICS_FILE = "metrics.csv"
 

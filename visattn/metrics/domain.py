@@ -27,7 +27,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from visattn.data.sources import load_arrays
-from visattn.engine.checkpoint import atomic_write_bytes, load_weights
+from visattn.utils.checkpoint import atomic_write_bytes, load_weights
 
 from .extractor import FeatureExtractor
 

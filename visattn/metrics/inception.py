@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
 
-from visattn.engine.checkpoint import load_weights
+from visattn.utils.checkpoint import load_weights
 
 from .extractor import FeatureExtractor
 

@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from visattn.data.sources import load_arrays
-from visattn.engine.checkpoint import atomic_write_bytes
+from visattn.utils.checkpoint import atomic_write_bytes
 
 from .extractor import FeatureExtractor, check_images
 from .fid import feature_statistics

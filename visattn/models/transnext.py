@@ -395,7 +395,7 @@ def _timm_entry(preset: str):
         if pretrained:
             raise ValueError(
                 f"visattn_{preset} has no published weights to download; build it with pretrained=False "
-                "and load a local checkpoint with visattn.engine.checkpoint.load_weights"
+                "and load a local checkpoint with visattn.utils.checkpoint.load_weights"
             )
         for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
             kwargs.pop(key, None)

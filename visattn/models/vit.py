@@ -108,7 +108,7 @@ def _create(preset: str, pretrained: bool = False, **kwargs: Any) -> VisionTrans
     if pretrained:
         raise ValueError(
             "visattn ViTs download nothing; load weights from a local file instead "
-            "(train_cls.py model.init_from=PATH or ckpt=PATH, or visattn.engine.checkpoint.load_weights)"
+            "(train_cls.py model.init_from=PATH or ckpt=PATH, or visattn.utils.checkpoint.load_weights)"
         )
     for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
         kwargs.pop(key, None)

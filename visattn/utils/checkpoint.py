@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 
-_WEIGHT_SUBDICTS = ("model", "state_dict", "model_ema", "state_dict_ema")
+_WEIGHT_SUBDICTS = ("model", "state_dict", "ema", "model_ema", "state_dict_ema")
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 
 
@@ -75,7 +75,7 @@ def load_weights(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.
     """Model weights from a ``.safetensors`` file or a ``.pt``/``.pth``/``.bin`` file.
 
     Torch files may hold the state dict itself or wrap it (timm / DeiT / ours) under ``model``,
-    ``state_dict``, ``model_ema`` or ``state_dict_ema``; ``prefer_ema`` picks the EMA copy when
+    ``state_dict``, ``ema`` (DiT), ``model_ema`` or ``state_dict_ema``; ``prefer_ema`` picks the EMA copy when
     there is one. DDP / compile prefixes are stripped.
     """
     path = Path(path)
