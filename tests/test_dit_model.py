@@ -140,6 +140,13 @@ def test_per_layer_lists_must_match_depth():
         create_dit("DiT-M/2")
 
 
+def test_attention_spec_passes_none_on_as_the_variants_meaning():
+    model = DiT(**TINY, attn={"name": "mta", "kq_conv": None, "head_conv": "post"})
+    assert all(block.attn.kq_stage is None for block in model.blocks)
+    moh = DiT(**TINY, attn={"name": "moh", "shared_heads": None, "routed_topk": None})
+    assert visattn.active_heads(moh) == (2 * 3, 2 * 4)  # MoH's default budget: 2 shared + 1 routed of 4
+
+
 def test_label_dropout_only_in_training():
     model = DiT(**TINY)
     emb = model.y_embedder

@@ -9,6 +9,8 @@ from .model_utils import (
     aux_loss,
     convert_moh_state_dict,
     expand_per_layer,
+    parse_attn_spec,
+    per_layer_values,
     swap_attention,
 )
 from .registry import build_attention, get_attention_class, list_attentions, register_attention
@@ -24,6 +26,8 @@ __all__ = [
     "build_attention",
     "convert_moh_state_dict",
     "expand_per_layer",
+    "parse_attn_spec",
+    "per_layer_values",
     "get_attention_class",
     "list_attentions",
     "register_attention",

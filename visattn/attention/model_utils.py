@@ -158,3 +158,40 @@ def expand_per_layer(name: str, kwargs: Mapping[str, Any], depth: int, unit: str
         for i in range(depth):
             layers[i][key] = value[i] if per_layer else value
     return layers
+
+
+def _plain(value: Any) -> Any:
+    """Config containers (e.g. OmegaConf's) -> plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if _is_sequence(value):
+        return [_plain(v) for v in value]
+    return value
+
+
+def parse_attn_spec(attn: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``"moh"`` or ``{"name": "moh", **kwargs}`` -> (name, kwargs); checks the name is registered.
+    A ``None`` value is passed on: every variant reads it as "its default"."""
+    if isinstance(attn, str):
+        name, kwargs = attn, {}
+    elif isinstance(attn, Mapping):
+        kwargs = _plain(attn)
+        name = kwargs.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"attention spec {dict(attn)} has no 'name'; give e.g. {{'name': 'moh', ...}}")
+    else:
+        raise ValueError(f"attn={attn!r} must be a registered name or a dict with a 'name' key")
+    get_attention_class(name)
+    return name, kwargs
+
+
+def per_layer_values(value: Any, depth: int, key: str) -> list[Any]:
+    """One value per layer from a single value or a list of ``depth`` values (e.g. ``num_heads``)."""
+    if not _is_sequence(value):
+        return [value] * depth
+    values = list(value)
+    if len(values) != depth:
+        raise ValueError(
+            f"{key} has {len(values)} entries but the model has {depth} layers; give one per layer or a single value"
+        )
+    return values

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import HeadAttention
+from .scores import repeat_kv
 
 
 def sparse_moh_supported(attn: HeadAttention) -> str | None:
@@ -140,14 +141,13 @@ def _dense_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     dropout_p = attn.attn_drop.p if attn.training else 0.0
     x = x.to(_compute_dtype(x))  # cast once for the projection and the router's linears
     q, k, v = attn.project_qkv(x)  # [B, H, N, d], [B, H_kv, N, d] x 2
-    gates, selected = router(x, q)
-    attn.stats["head_load"] = router.head_load
+    gates, selected = attn.route(x, q)
     shared = H if router.routed_topk == 0 else router.shared_heads
 
     heads = torch.empty(B, N, H, d, dtype=_compute_dtype(x), device=x.device)  # gated head outputs
     if shared:
-        ks, vs = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        o = F.scaled_dot_product_attention(q[:, :shared], ks[:, :shared], vs[:, :shared], dropout_p=dropout_p)
+        ks, vs = _shared_kv(k, v, shared, group)
+        o = F.scaled_dot_product_attention(q[:, :shared], ks, vs, dropout_p=dropout_p)
         o = o * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(o.dtype)
         heads[:, :, :shared] = o.transpose(1, 2)
     heads[:, :, shared:] = 0
@@ -179,8 +179,7 @@ def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     k, v = F.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
     k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
     v = v.transpose(1, 2)
-    gates, selected = router(x)  # [B, N, H] each (the linear router reads x only)
-    attn.stats["head_load"] = router.head_load
+    gates, selected = attn.route(x, None)  # [B, N, H] each (the linear router reads x only)
 
     shared = H if router.routed_topk == 0 else router.shared_heads
     topk = router.routed_topk
@@ -246,12 +245,18 @@ def _shared_heads(
     d = attn.head_dim
     q_w, q_b = _rows(attn.qkv, 0, shared * d)
     q = attn.q_norm(F.linear(x, q_w, q_b).view(B, N, shared, d).transpose(1, 2))
-    if group > 1:  # grouped keys/values: one copy per shared query head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    heads = F.scaled_dot_product_attention(q, k[:, :shared], v[:, :shared], dropout_p=dropout_p)
+    k, v = _shared_kv(k, v, shared, group)
+    heads = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     heads = heads * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
     merged = heads.transpose(1, 2).reshape(B * N, shared * d)
     out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias)
+
+
+def _shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k/v: [B, H_kv, N, d] -> the keys and values of query heads 0..shared-1, [B, shared, N, d] each
+    (only the key/value heads those read are repeated)."""
+    kv_heads = -(-shared // group)
+    return tuple(repeat_kv(t[:, :kv_heads], kv_heads * group)[:, :shared] for t in (k, v))
 
 
 def _attend_grouped(

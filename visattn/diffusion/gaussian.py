@@ -48,6 +48,7 @@ class GaussianDiffusion:
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
             raise ValueError("betas must be a 1-D array with values in (0, 1]")
         self.betas = betas
+        self.log_betas = np.log(betas)
         self.learn_sigma = learn_sigma
         self.num_timesteps = len(betas)
         self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map)
@@ -126,7 +127,7 @@ class GaussianDiffusion:
                 raise ValueError(f"learn_sigma needs a model output of {2 * C} channels, got {model_output.shape[1]}")
             eps, v = model_output[:, :C], model_output[:, C:]
             min_log = self._at(self.posterior_log_variance_clipped, t, x_t)
-            max_log = self._at(np.log(self.betas), t, x_t)
+            max_log = self._at(self.log_betas, t, x_t)
             frac = (v + 1) / 2
             log_variance = frac * max_log + (1 - frac) * min_log
             variance = torch.exp(log_variance)

@@ -29,7 +29,7 @@ def plain(node: Any) -> Any:
 
 
 def budget_name(cfg: DictConfig) -> str:
-    return cfg.get("budget", {}).get("name", "none") if cfg.get("budget") else "none"
+    return cfg.budget.get("name", "none") if cfg.get("budget") else "none"
 
 
 def attn_spec(cfg: DictConfig) -> dict[str, Any]:

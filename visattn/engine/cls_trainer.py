@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from .distributed import (
     init_distributed,
 )
 from .ema import ModelEMA, unwrap_model
-from .launch import agreed_run_dir
+from .launch import agreed_run_dir, seed_everything
 from .optim import WarmupSchedule, build_optimizer
 from .results import Throughput, count_params, model_flops, peak_memory_mb, write_json, write_results
 from .runlog import MetricsLogger, setup_logging
@@ -63,12 +63,6 @@ log = logging.getLogger(__name__)
 LAST_WEIGHTS = "last.safetensors"
 LAST_STATE = "last_state.pt"
 HEAD_LOAD_FILE = "head_load.json"
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def amp_dtype(setting: Any, device: torch.device) -> torch.dtype | None:
@@ -86,7 +80,7 @@ def task_criterion(mixup_on: bool, label_smoothing: float) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
 
-def _class_names(dataset) -> list[str]:
+def _class_names(dataset) -> list[str] | None:
     classes = getattr(dataset, "classes", None)
     return list(classes) if classes is not None else None
 
@@ -108,7 +102,8 @@ class ClsRun:
         if cfg.model.init_from is not None and cfg.mode == "train":
             load_model_weights(self.model, cfg.model.init_from, new_head_ok=True)
         self.model.to(self.device)
-        self.routed = active_heads(self.model)[0] < active_heads(self.model)[1]
+        active, total = active_heads(self.model)
+        self.routed = active < total
         seed_everything(cfg.seed + dist_info.rank)  # augmentation differs per rank
 
         self.train_set, self.val_set = build_datasets(cfg.data, cfg.aug, seed=cfg.seed)
@@ -117,8 +112,7 @@ class ClsRun:
             seed=cfg.seed, num_workers=cfg.data.get("num_workers", 0), repeated_aug=cfg.aug.repeated_aug,
             eval_batch_size=cfg.train.eval_batch_size, pin_memory=self.device.type == "cuda",
         )
-        classes = _class_names(self.val_set) or [str(i) for i in range(cfg.data.num_classes)]
-        self.classes = classes
+        self.classes = _class_names(self.val_set) or [str(i) for i in range(cfg.data.num_classes)]
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
@@ -293,8 +287,6 @@ class ClsRun:
 
 def run_cls(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     """Validate ``cfg``, then train or evaluate; returns what ``results.json`` holds."""
-    import os
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_cls_config(cfg, world_size)
     if cfg.train.num_threads:

@@ -11,7 +11,6 @@ latent cache (``data.latents``).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
@@ -33,6 +32,7 @@ from visattn.engine.cls_eval import HeadLoadMeter
 from visattn.engine.distributed import DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object
 from visattn.engine.dit_sampling import EMBEDDED_DATASETS, build_scorer, generate_all, save_samples
 from visattn.engine.ema import ModelEMA, unwrap_model
+from visattn.engine.launch import seed_everything
 from visattn.engine.results import (
     Throughput,
     count_params,
@@ -118,8 +118,7 @@ def load_pixel_arrays(cfg: Mapping[str, Any], split: str) -> tuple[np.ndarray, n
             f"data={data['name']} has no in-memory pixel loader for DiT; use one of {EMBEDDED_DATASETS} in pixel "
             f"space, or vae=sd with a latent cache (mode=cache_latents)"
         )
-    images, labels = load_arrays(data["name"], split, data.get("root"))
-    return images, labels
+    return load_arrays(data["name"], split, data.get("root"))
 
 
 def build_train_data(cfg: Mapping[str, Any]):
@@ -181,7 +180,7 @@ class EpochBatches:
     checkpointed, so a resumed run continues the same stream."""
 
     def __init__(self, size: int, batch_size: int, dist: DistInfo, seed: int) -> None:
-        self.sampler = train_sampler(_Sized(size), dist.rank, dist.world_size, seed)
+        self.sampler = train_sampler(range(size), dist.rank, dist.world_size, seed)
         self.batch_size = batch_size
         if len(self.sampler) < batch_size:
             raise ValueError(
@@ -202,14 +201,6 @@ class EpochBatches:
                 yield order[start : start + self.batch_size]
             self.epoch += 1
             self.taken = 0
-
-
-class _Sized:
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
 
 
 def checkpoint_path(run_dir: Path) -> Path:
@@ -252,12 +243,6 @@ def restore_checkpoint(
     else:
         log.warning("checkpoint has RNG states of %d ranks, this run has %d: RNG not restored", len(rngs), dist.world_size)
     return int(state["step"]), dict(state.get("extra", {}))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[str, Any]:
@@ -305,6 +290,9 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
         step, extra = restore_checkpoint(run_dir, model, ema, opt, batches, dist)
         results.update(extra)
         log.info("resumed from %s at step %d", checkpoint_path(run_dir), step)
+    elif cfg.get("resume"):
+        # A requeued job resumes with the same command, so a first start with resume=true is allowed.
+        log.warning("resume=true but %s does not exist: starting from step 0", checkpoint_path(run_dir))
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
     metrics.drop_after(step)
 
@@ -412,10 +400,11 @@ def evaluate_model(
     Returns (on every rank) the scores and what they were measured with."""
     num_samples = int(cfg["eval"]["num_samples"])
     decode = build_codec(cfg, dist.device)
+    settings = sample_settings(cfg)
     timer = Throughput(dist.device)
     timer.start()
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
-    images = generate_all(model, diffusion, decode, sample_settings(cfg), dist, num_samples, run_dir)
+    images = generate_all(model, diffusion, decode, settings, dist, num_samples, run_dir)
     timer.stop(num_samples)
     scores: dict[str, Any] = {}
     if dist.is_main:
@@ -423,7 +412,6 @@ def evaluate_model(
             save_samples(run_dir, images, int(cfg["sample"]["grid"]))
         scorer, reference = scorer
         scores = scorer.score(images, reference)
-        settings = sample_settings(cfg)
         scores.update({
             "cfg_scale": float(settings["cfg_scale"]),
             "guided_channels": settings.get("guided_channels"),

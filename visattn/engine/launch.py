@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from .distributed import broadcast_object
 
@@ -36,3 +40,10 @@ def export_slurm_env() -> None:
 def agreed_run_dir(local_run_dir: str | Path) -> Path:
     """Rank 0's run dir, on every rank."""
     return Path(broadcast_object(str(local_run_dir)))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

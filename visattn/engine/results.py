@@ -58,8 +58,9 @@ def write_results(run_dir: str | Path, results: Mapping[str, Any]) -> Path:
     return path
 
 
-def count_params(model: nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+def count_params(model: nn.Module) -> int:
+    """Every parameter, trained or fixed (e.g. DiT's sin-cos ``pos_embed``)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def peak_memory_mb(device: torch.device | str | None = None) -> float:

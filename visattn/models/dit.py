@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 
-from visattn.attention import build_attention, expand_per_layer
+from visattn.attention import build_attention, expand_per_layer, parse_attn_spec, per_layer_values
 
 TIMESTEP_FREQUENCIES = 256  # width of the sinusoidal timestep code fed to the timestep MLP
 
@@ -129,24 +129,6 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-def _attention_spec(attn: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``"moh"`` or ``{"name": "moh", **kwargs}`` -> (name, kwargs without unset (None) values)."""
-    if isinstance(attn, str):
-        return attn, {}
-    if not isinstance(attn, Mapping) or "name" not in attn:
-        raise ValueError(f"attn={attn!r} must be a registered name or a mapping with a 'name' key")
-    kwargs = {k: v for k, v in attn.items() if k != "name" and v is not None}
-    return str(attn["name"]), kwargs
-
-
-def _per_layer(value: int | Sequence[int] | None, depth: int, what: str) -> list[int | None]:
-    if isinstance(value, (list, tuple)):
-        if len(value) != depth:
-            raise ValueError(f"{what} has {len(value)} entries but depth={depth}; give one per layer or one int")
-        return [int(v) for v in value]
-    return [value] * depth
-
-
 class DiT(nn.Module):
     """Class-conditional diffusion transformer.
 
@@ -199,10 +181,10 @@ class DiT(nn.Module):
         # A parameter (not a buffer) so the state dict matches the original; fixed, never trained.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
 
-        name, kwargs = _attention_spec(attn)
+        name, kwargs = parse_attn_spec(attn)
         self.attn_name = name
-        heads = _per_layer(num_heads, depth, "num_heads")
-        head_dims = _per_layer(head_dim, depth, "head_dim")
+        heads = [int(h) for h in per_layer_values(num_heads, depth, "num_heads")]
+        head_dims = per_layer_values(head_dim, depth, "head_dim")
         layer_kwargs = expand_per_layer(name, kwargs, depth)
         self.blocks = nn.ModuleList(
             DiTBlock(
@@ -322,10 +304,6 @@ def _build_presets() -> dict[str, dict[str, Any]]:
 
 
 DIT_PRESETS: Mapping[str, Mapping[str, Any]] = _build_presets()
-
-
-def list_dit_presets() -> list[str]:
-    return list(DIT_PRESETS)
 
 
 def dit_preset_config(preset: str, **overrides: Any) -> dict[str, Any]:

@@ -27,11 +27,16 @@ import torch.nn as nn
 from timm.layers import DropPath, trunc_normal_
 from timm.models import register_model
 
-from visattn.attention import active_heads, build_attention, convert_moh_state_dict, expand_per_layer
+from visattn.attention import (
+    active_heads,
+    build_attention,
+    convert_moh_state_dict,
+    expand_per_layer,
+    parse_attn_spec,
+)
 from visattn.attention.routing import default_budget
 
 from .aggregated_attention import AggregatedAttention
-from .vit import parse_attn_spec
 
 log = logging.getLogger(__name__)
 

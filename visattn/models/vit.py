@@ -23,6 +23,8 @@ from visattn.attention import (
     attention_modules,
     expand_per_layer,
     get_attention_class,
+    parse_attn_spec,
+    per_layer_values,
     swap_attention,
 )
 
@@ -39,42 +41,6 @@ VIT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _plain(value: Any) -> Any:
-    """Config containers (e.g. OmegaConf's) -> plain dicts / lists."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def parse_attn_spec(attn: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``"moh"`` or ``{"name": "moh", **kwargs}`` -> (name, kwargs); checks the name is registered."""
-    if isinstance(attn, str):
-        name, kwargs = attn, {}
-    elif isinstance(attn, Mapping):
-        kwargs = _plain(attn)
-        name = kwargs.pop("name", None)
-        if not isinstance(name, str):
-            raise ValueError(f"attention spec {dict(attn)} has no 'name'; give e.g. {{'name': 'moh', ...}}")
-    else:
-        raise ValueError(f"attn={attn!r} must be a registered name or a dict with a 'name' key")
-    get_attention_class(name)
-    return name, kwargs
-
-
-def per_layer_heads(num_heads: int | Sequence[int], depth: int) -> list[int]:
-    """One head count per layer from an int or a list of ``depth`` ints."""
-    if isinstance(num_heads, int):
-        return [num_heads] * depth
-    heads = [int(h) for h in num_heads]
-    if len(heads) != depth:
-        raise ValueError(
-            f"num_heads has {len(heads)} entries but the model has {depth} layers; give one per layer or a single int"
-        )
-    return heads
-
-
 def vision_transformer(
     attn: str | Mapping[str, Any] = "mha",
     num_heads: int | Sequence[int] = 12,
@@ -84,7 +50,7 @@ def vision_transformer(
     """A timm ``VisionTransformer`` (``kwargs`` as timm takes them) whose every attention layer is
     ``attn``, built per layer from the spec; new attention weights get timm's ViT initialisation."""
     name, attn_kwargs = parse_attn_spec(attn)
-    heads = per_layer_heads(_plain(num_heads), depth)
+    heads = [int(h) for h in per_layer_values(num_heads, depth, "num_heads")]
     layers = expand_per_layer(name, attn_kwargs, depth)
     uniform = len(set(heads)) == 1
     model = VisionTransformer(depth=depth, num_heads=heads[0] if uniform else 1, **kwargs)
