@@ -24,12 +24,27 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class SeededRepeatAugSampler(RepeatAugSampler):
+    """timm's repeated-augmentation sampler seeds its shuffle with the epoch alone, so every run
+    seed would see the same order; fold the seed into the epoch it seeds with."""
+
+    def __init__(self, dataset: Dataset, *, seed: int, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(self.seed * 1_000_003 + epoch)
+
+
 def train_sampler(dataset: Dataset, rank: int, world_size: int, seed: int, repeated_aug: int = 0) -> Sampler:
     """Shuffled shard of this rank, reshuffled per epoch via ``set_epoch`` (deterministic in
     ``seed`` and the epoch, so a resumed run sees the same order). ``repeated_aug`` > 1: each
     sample ``repeated_aug`` times per epoch on different ranks (DeiT's repeated augmentation)."""
     if repeated_aug > 1:
-        return RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeated_aug)
+        return SeededRepeatAugSampler(
+            dataset, seed=seed, num_replicas=world_size, rank=rank, shuffle=True, num_repeats=repeated_aug
+        )
     return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
