@@ -106,6 +106,13 @@ def write_idx(path: str | Path, array: np.ndarray) -> None:
         f.write(header + array.tobytes())
 
 
+def class_names(name: str, num_classes: int) -> list[str]:
+    """Display names of an embedded dataset's classes (Fashion-MNIST's garments; indices otherwise)."""
+    if name == "fashion_mnist":
+        return list(FASHION_MNIST_CLASSES)
+    return [str(i) for i in range(num_classes)]
+
+
 def load_arrays(name: str, split: str = "train", root: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Arrays of an embedded dataset by name: ``digits`` or ``fashion_mnist``."""
     if name == "digits":

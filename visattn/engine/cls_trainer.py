@@ -24,6 +24,7 @@ from tqdm import tqdm
 from visattn.attention import active_heads, aux_loss
 from visattn.data.datasets import build_datasets
 from visattn.data.loaders import build_loaders, build_mixup
+from visattn.data.sources import class_names
 from visattn.utils.checkpoint import (
     load_train_state,
     load_weights,
@@ -112,7 +113,7 @@ class ClsRun:
             seed=cfg.seed, num_workers=cfg.data.get("num_workers", 0), repeated_aug=cfg.aug.repeated_aug,
             eval_batch_size=cfg.train.eval_batch_size, pin_memory=self.device.type == "cuda",
         )
-        self.classes = _class_names(self.val_set) or [str(i) for i in range(cfg.data.num_classes)]
+        self.classes = _class_names(self.val_set) or class_names(cfg.data.name, cfg.data.num_classes)
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()

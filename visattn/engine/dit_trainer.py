@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 import visattn
 from visattn.data.latents import PixelData, pad_to, read_latent_cache
 from visattn.data.loaders import train_sampler
-from visattn.data.sources import load_arrays
+from visattn.data.sources import class_names, load_arrays
 from visattn.diffusion import GaussianDiffusion, conditional_fn
 from visattn.engine.cls_eval import HeadLoadMeter
 from visattn.engine.distributed import DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object
@@ -364,14 +364,6 @@ def is_routed(model: nn.Module) -> bool:
     return any(getattr(m, "router", None) is not None for _, m in visattn.attention.attention_modules(model))
 
 
-def class_names(cfg: Mapping[str, Any]) -> list[str]:
-    if cfg["data"]["name"] == "fashion_mnist":
-        from visattn.data.sources import FASHION_MNIST_CLASSES
-
-        return list(FASHION_MNIST_CLASSES)
-    return [str(i) for i in range(int(cfg["data"]["num_classes"]))]
-
-
 @torch.no_grad()
 def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg: Mapping[str, Any], dist: DistInfo):
     """``head_load.json`` content: per layer and class, the fraction of tokens that used each head,
@@ -388,7 +380,7 @@ def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg:
             x_t = diffusion.q_sample(x, t, torch.randn(x.shape, generator=gen))
             model(x_t.to(dist.device), t.to(dist.device), y.to(dist.device))
             meter.update(y.to(dist.device))
-    return meter.reduce(class_names(cfg))
+    return meter.reduce(class_names(cfg["data"]["name"], int(cfg["data"]["num_classes"])))
 
 
 # --- evaluation -------------------------------------------------------------------------------------
