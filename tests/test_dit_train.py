@@ -80,6 +80,13 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
     assert (run_dir / "samples.png").is_file()
 
 
+def test_dense_soft_weights_write_no_head_load(tmp_path):
+    # Every token uses every head, so there is no selection to show (the same rule as classification).
+    run(config("train.steps=1", *TINY_MODEL, "attn.shared_heads=4", "attn.routed_topk=0"), CPU, tmp_path)
+    assert (tmp_path / "results.json").is_file()
+    assert not (tmp_path / "head_load.json").exists()
+
+
 def test_resume_continues_exactly(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), CPU, straight)

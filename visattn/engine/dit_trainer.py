@@ -349,7 +349,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
     train_seconds = time.perf_counter() - t_start
     results.update(info)
     results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds})
-    if is_routed(model):
+    active, total = info["active_heads"]
+    if active < total:  # as in classification: only models that select heads per token have a load
         load = measure_head_load(ema.module, data, diffusion, cfg, dist)
         if dist.is_main:
             write_json(run_dir / HEAD_LOAD_FILE, load)
@@ -359,10 +360,6 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
 
 
 # --- head load -------------------------------------------------------------------------------------
-
-def is_routed(model: nn.Module) -> bool:
-    return any(getattr(m, "router", None) is not None for _, m in visattn.attention.attention_modules(model))
-
 
 @torch.no_grad()
 def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg: Mapping[str, Any], dist: DistInfo):
