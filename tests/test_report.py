@@ -126,6 +126,19 @@ def test_report_tables_verdicts_and_plots(study_dirs: Path, tmp_path: Path) -> N
         assert f"]({name})" in text, f"{name} not linked from REPORT.md"
 
 
+def test_routing_is_compared_with_fewer_heads_at_the_same_budget(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    for seed in range(3):
+        make_run(root, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.001 * seed})
+        make_run(root, "cls", "moh-50", seed, (4, 8), {"top1": 0.84 + 0.001 * seed}, routed=True)
+        make_run(root, "cls", "mha-fewer-heads-50", seed, (4, 4), {"top1": 0.80 + 0.001 * seed})
+        make_run(root, "cls", "moh-90", seed, (7, 8), {"top1": 0.85 + 0.001 * seed}, routed=True)  # no partner
+    text = write_report([root], tmp_path / "out").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| moh-50 | mha-fewer-heads-50 | 4 |")]
+    assert len(rows) == 1 and rows[0].split("|")[6].strip() == "better", rows  # the top-1 verdict
+    assert not any(line.startswith("| moh-90 | mha") for line in text.splitlines())  # MHA is not a partner
+
+
 def test_unmeasured_values_are_a_dash_never_estimated(tmp_path: Path) -> None:
     run = make_run(tmp_path / "runs", "cls", "mha", 0, (8, 8), {"top1": 0.8})
     results = json.loads((run / "results.json").read_text())

@@ -13,7 +13,7 @@ from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
 from .runs import Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
 from .stats import CONFIDENCE
-from .tables import comparison_table, cost_table, noise_statement, quality_table
+from .tables import comparison_table, cost_table, noise_statement, quality_table, same_budget_table
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,13 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
     lines += ["### Quality", "", quality_table(cells, reference), ""]
     lines += ["### Compared with MHA (same task)", "", noise_statement(cells, reference), "",
               comparison_table(cells, reference), ""]
+    same_budget = same_budget_table(cells, reference)
+    if same_budget:
+        lines += ["### Routing against fewer heads (same active heads per token)", "",
+                  "Each routed cell against each cell without routing that uses as many heads per token "
+                  "(a narrower plain MHA): does choosing heads per token beat simply having fewer heads? "
+                  "Same rule: a verdict only when the 95% intervals do not overlap.", "",
+                  same_budget, ""]
     lines += ["### Cost", "", cost_table(cells, reference), ""]
     if task in INFERENCE_THROUGHPUT:
         lines += [f"Inference throughput here is the {INFERENCE_THROUGHPUT[task]}.", ""]

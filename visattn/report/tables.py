@@ -92,6 +92,36 @@ def comparison_table(cells: Sequence[Cell], reference: Cell | None) -> str:
     return markdown_table(header, rows)
 
 
+def same_budget_pairs(cells: Sequence[Cell], reference: Cell | None) -> list[tuple[Cell, Cell]]:
+    """(routed cell, unrouted cell) pairs with the same number of active heads per token, e.g. MoH at
+    75% against a plain MHA built with 75% of the heads; the MHA baseline itself is never a partner."""
+    plain = [c for c in cells if not c.routed and c is not reference and c.heads]
+    return [(routed, other) for routed in cells if routed.routed and routed.heads
+            for other in plain if other.heads[0] == routed.heads[0]]
+
+
+def same_budget_table(cells: Sequence[Cell], reference: Cell | None) -> str | None:
+    """Routing against simply having fewer heads: per pair, the headline metric of both and the
+    verdict on every quality metric (same 95%-interval rule as against MHA); None without pairs."""
+    pairs = same_budget_pairs(cells, reference)
+    metrics = quality_metrics(cells[0].task) if cells else ()
+    if not pairs or not metrics:
+        return None
+    headline = metrics[0]
+    header = ["routed", "without routing", "active heads", f"{headline.label}, routed",
+              f"{headline.label}, without routing", *(f"{m.label}: routed vs without" for m in metrics)]
+    rows = []
+    for routed, other in pairs:
+        rows.append([
+            routed.variant, other.variant, str(routed.heads[0]),
+            format_summary(summarize(routed.values(headline.key)), headline.scale, headline.digits),
+            format_summary(summarize(other.values(headline.key)), headline.scale, headline.digits),
+            *(compare(summarize(routed.values(m.key)), summarize(other.values(m.key)), m.higher_is_better)
+              for m in metrics),
+        ])
+    return markdown_table(header, rows)
+
+
 def _mean(cell: Cell, key: str) -> float | None:
     summary = summarize(cell.values(key))
     return None if summary is None else summary.mean
