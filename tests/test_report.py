@@ -113,6 +113,7 @@ def test_report_tables_verdicts_and_plots(study_dirs: Path, tmp_path: Path) -> N
     assert "fashion_mnist / 500" in text  # the extractor is named with the sample count
     assert "Test CPU (2 usable cores)" in text and "python train_cls.py seed=0" in text
     assert "load average at the start and end of the runs: 0.5 to 3.5" in text
+    assert "wall time, summed: 0.27 h (16.0 min) over 16 runs" in text  # 16 runs of 60 s
     assert "1.00× (1490 img/s)" in text  # MHA's own inference throughput ratio
     assert "mha" in rows
     expected = [

@@ -126,6 +126,10 @@ def test_quick_study_first_run_writes_results_and_report(tmp_path: Path) -> None
     text = report.read_text()
     assert "SMOKE TEST" in text and "| moh-75 |" in text
     assert (tmp_path / "study" / "cls_head_load_moh-75_36-48.png").is_file()
+    # Re-running resumes: the finished run is kept, and the note says the wall time covers this invocation.
+    report, outcomes = run_study(specs, tmp_path / "study", "quick", "test run", timeout_s=300)
+    assert [o.status for o in outcomes] == ["skipped (results.json exists)"]
+    assert "this invocation; it kept 1 run(s) finished earlier" in report.read_text()
 
 
 def test_cli_dry_run_prints_commands_with_the_thread_override(tmp_path: Path, capsys) -> None:

@@ -46,6 +46,13 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
             f"- 1-minute load average at the start and end of the runs: {min(loads):.1f} to {max(loads):.1f} "
             "(throughput and wall times are only comparable between runs made at similar load)"
         )
+    walls = [wall for wall in (r.value("wall_time_s") for r in runs) if wall is not None]
+    if walls:
+        total = sum(walls)
+        lines.append(
+            f"- Runs' wall time, summed: {total / 3600:.2f} h ({total / 60:.1f} min) over {len(walls)} runs "
+            "(each run's own clock, from set-up to results; interpreter start-up not included)"
+        )
     if profiles:
         lines.append(f"- Study profile(s): {', '.join(profiles)}")
     lines.append(f"- {len(runs)} runs in {len(cells)} cells (task × attention variant × head budget; runs = seeds)")

@@ -89,7 +89,10 @@ def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: st
     if not finished_dirs:
         log.error("no run finished; no report written (see the train.log files under %s)", out / "runs")
         return None, outcomes
-    note = f"Profile `{profile}`: {description} Study wall time {(finished - started).total_seconds() / 60:.1f} min."
+    minutes = (finished - started).total_seconds() / 60
+    skipped = sum(o.status.startswith("skipped") for o in outcomes)
+    note = f"Profile `{profile}`: {description} Study wall time {minutes:.1f} min"
+    note += f" (this invocation; it kept {skipped} run(s) finished earlier)." if skipped else "."
     if command:
         note += f" Command: `{command}`."
     if failed:
