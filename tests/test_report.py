@@ -64,7 +64,8 @@ def study_dirs(tmp_path: Path) -> Path:
     for seed, fid in enumerate([30.0, 31.0, 29.0]):
         make_run(root, "dit", "mha", seed, (8, 8), {"fid": fid, "sfid": 20.0, **gen})
     for seed, fid in enumerate([20.0, 21.0, 19.5]):  # lower FID, disjoint intervals: better
-        make_run(root, "dit", "moh-90", seed, (7, 8), {"fid": fid, "sfid": 15.0, **gen}, routed=True)
+        run = make_run(root, "dit", "moh-90", seed, (7, 8), {"fid": fid, "sfid": 15.0, **gen}, routed=True)
+        (run / "samples.png").write_bytes(PNG_MAGIC)
     return root
 
 
@@ -116,6 +117,9 @@ def test_report_tables_verdicts_and_plots(study_dirs: Path, tmp_path: Path) -> N
     assert "wall time, summed: 0.27 h (16.0 min) over 16 runs" in text  # 16 runs of 60 s
     assert "1.00× (1490 img/s)" in text  # MHA's own inference throughput ratio
     assert "mha" in rows
+    # The generation section links each cell's first-seed sample grid, relative to the report.
+    assert "![moh-90 samples](../runs/dit/moh-90/seed0/samples.png)" in text
+    assert "mha samples" not in text  # its runs left no grid: nothing is shown for it
     expected = [
         "cls_top1_vs_active_heads.png", "cls_top1_vs_throughput.png", "cls_training_curves.png",
         "cls_head_load_moh-75_6-8.png", "dit_fid_vs_active_heads.png", "dit_fid_vs_throughput.png",

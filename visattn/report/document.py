@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -11,9 +12,9 @@ from pathlib import Path
 from . import plots
 from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
-from .runs import Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
+from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
 from .stats import CONFIDENCE
-from .tables import comparison_table, cost_table, noise_statement, quality_table, same_budget_table
+from .tables import comparison_table, cost_table, markdown_table, noise_statement, quality_table, same_budget_table
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,22 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
             path = plots.head_load_heatmaps(cell, out / name)
             if path:
                 lines += [f"![{cell.variant} head load]({path.name})", ""]
+    return lines + _sample_grids(cells, out)
+
+
+def _sample_grids(cells: Sequence[Cell], out: Path, per_row: int = 4) -> list[str]:
+    """Each cell's first-seed sample grid, linked (not copied) from its run directory, so a reader
+    sees what the scores measure."""
+    grids = [(cell, cell.runs[0].path / SAMPLE_GRID) for cell in cells if (cell.runs[0].path / SAMPLE_GRID).is_file()]
+    if not grids:
+        return []
+    lines = [f"### Samples (seed {grids[0][0].runs[0].seed} of each cell)", ""]
+    for start in range(0, len(grids), per_row):
+        row = grids[start:start + per_row]
+        lines.append(markdown_table(
+            [cell.variant for cell, _ in row],
+            [[f"![{cell.variant} samples]({Path(os.path.relpath(path, out)).as_posix()})" for cell, path in row]]))
+        lines.append("")
     return lines
 
 

@@ -2,7 +2,7 @@
 
 A run directory holds ``results.json`` (required), ``metrics.csv`` and, for routed attention,
 ``head_load.json``. The study driver also writes ``cell.json`` (``cell`` label, ``profile``,
-``command``, ``machine``); runs without it are labelled from their attention config, and their
+``command``, ``machine``); generation runs also leave a ``samples.png`` grid. Runs without it are labelled from their attention config, and their
 command line is rebuilt from Hydra's ``.hydra/overrides.yaml`` when present.
 
 A cell is (task, variant, head budget); its runs are the seeds.
@@ -21,6 +21,8 @@ from typing import Any
 import yaml
 
 ENTRY_POINTS = {"cls": "train_cls.py", "dit": "train_dit.py"}
+# A generation run's grid of its first samples (written by visattn.engine.dit_sampling.save_samples).
+SAMPLE_GRID = "samples.png"
 # Attention kwargs that distinguish two variants with one registered name (ablations).
 DISTINGUISHING_KWARGS = ("two_stage", "router", "gate", "num_kv_heads")
 
