@@ -1,9 +1,10 @@
 """Read training run directories (the run-dir contract) and group them into cells.
 
-A run directory holds ``results.json`` (required), ``metrics.csv`` and, for routed attention,
-``head_load.json``. The study driver also writes ``cell.json`` (``cell`` label, ``profile``,
-``command``, ``machine``); generation runs also leave a ``samples.png`` grid. Runs without it are labelled from their attention config, and their
-command line is rebuilt from Hydra's ``.hydra/overrides.yaml`` when present.
+A run directory holds ``results.json`` (required), ``metrics.csv``, for routed attention
+``head_load.json`` and, for generation, a ``samples.png`` grid. The study driver also writes
+``cell.json`` (``cell`` label, ``profile``, ``command``, ``machine``); runs without it are labelled
+from their attention config, and their command line is rebuilt from Hydra's
+``.hydra/overrides.yaml`` when present.
 
 A cell is (task, variant, head budget); its runs are the seeds.
 """
