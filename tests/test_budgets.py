@@ -45,18 +45,20 @@ def test_registry_lists_every_budget_and_rejects_bad_ones():
         HeadBudget("bad", (2, 2), (1,), (4, 4))
 
 
-def test_moh_vit_budgets_equal_the_transnext_presets():
-    """TransNeXt's MoH-ViT presets hold the same per-stage numbers (until they read them from here)."""
-    from visattn.models import transnext
+@pytest.mark.parametrize(
+    ("preset", "name"),
+    [("moh_transnext_small_80", "MoH-ViT-S-80"), ("moh_transnext_small_75", "MoH-ViT-S-75"),
+     ("moh_transnext_base_75", "MoH-ViT-B-75"), ("moh_transnext_base_50", "MoH-ViT-B-50")],
+)
+def test_moh_vit_budgets_are_the_transnext_presets(preset, name):
+    from visattn.models.transnext import create_transnext
 
-    presets = getattr(transnext, "MOH_PRESETS", None)
-    if not isinstance(presets, dict) or not all(isinstance(v, tuple) and len(v) == 3 for v in presets.values()):
-        pytest.skip("TransNeXt's MoH presets no longer hold their own lists")
-    for preset, name in [("moh_transnext_small_80", "MoH-ViT-S-80"), ("moh_transnext_small_75", "MoH-ViT-S-75"),
-                         ("moh_transnext_base_75", "MoH-ViT-B-75"), ("moh_transnext_base_50", "MoH-ViT-B-50")]:
-        _, shared, topk = presets[preset]
-        budget = get_budget(name)
-        assert (tuple(shared), tuple(topk)) == (budget.shared_heads, budget.routed_topk), preset
+    with torch.device("meta"):
+        model = create_transnext(preset)
+    budget = get_budget(name)
+    assert visattn.active_heads(model) == budget.active_heads()
+    per_stage = {(m.shared_heads, m.routed_topk) for m in model.modules() if hasattr(m, "routed_topk")}
+    assert per_stage == set(zip(budget.shared_heads, budget.routed_topk, strict=True))
 
 
 def test_conf_budgets_only_name_a_registered_budget():
