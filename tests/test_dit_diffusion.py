@@ -88,7 +88,9 @@ def test_hybrid_loss_terms_and_stopped_mean_gradient():
 
 
 def _random_dit(**kw):
-    model = DiT(input_size=4, patch_size=2, in_channels=4, hidden_size=32, depth=2, num_heads=2, num_classes=3, **kw)
+    kw = {"input_size": 4, "patch_size": 2, "in_channels": 4, "hidden_size": 32, "depth": 2, "num_heads": 2,
+          "num_classes": 3, **kw}
+    model = DiT(**kw)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in model.parameters():
@@ -103,12 +105,29 @@ def test_classifier_free_guidance():
     cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, 3))
     torch.testing.assert_close(guided_fn(model, y, 1.0)(x, t), cond, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sampling_fn(model, y, 1.0)(x, t), cond, rtol=0, atol=0)
-    full = guided_fn(model, y, 4.0)(x, t)
+    full = guided_fn(model, y, 4.0, guided_channels=None)(x, t)
     torch.testing.assert_close(full[:, :4], uncond[:, :4] + 4.0 * (cond[:, :4] - uncond[:, :4]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full[:, 4:], cond[:, 4:], rtol=1e-5, atol=1e-5)
-    quirk = guided_fn(model, y, 4.0, guided_channels=3)(x, t)
+    quirk = guided_fn(model, y, 4.0)(x, t)  # the default: DiT's first 3 channels
     torch.testing.assert_close(quirk[:, :3], full[:, :3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(quirk[:, 3:], cond[:, 3:], rtol=1e-5, atol=1e-5)  # channel 3 unguided
+    assert not torch.allclose(quirk[:, 3], full[:, 3])
+
+
+def test_dit_guidance_slices_model_output_channels_like_forward_with_cfg():
+    """One input channel with a learned variance: DiT's ``model_out[:, :3]`` takes the epsilon AND
+    the variance channel; ``guided_channels=None`` guides the epsilon channel only."""
+    model = _random_dit(in_channels=1)
+    g = torch.Generator().manual_seed(0)
+    x, t, y = torch.randn(2, 1, 4, 4, generator=g), torch.tensor([5, 600]), torch.tensor([0, 2])
+    cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, 3))
+    dit = guided_fn(model, y, 2.0)(x, t)
+    torch.testing.assert_close(dit, uncond + 2.0 * (cond - uncond), rtol=1e-5, atol=1e-5)
+    standard = guided_fn(model, y, 2.0, guided_channels=None)(x, t)
+    torch.testing.assert_close(standard[:, 1:], cond[:, 1:], rtol=1e-5, atol=1e-5)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"guided_channels={bad!r} must be a positive int"):
+            sampling_fn(model, y, 2.0, guided_channels=bad)
 
 
 @pytest.mark.parametrize("method", ["ddpm", "ddim"])

@@ -8,15 +8,18 @@ variance against ``DDPMScheduler(variance_type="learned_range")``.
 """
 
 from .gaussian import GaussianDiffusion, mean_flat
-from .guidance import conditional_fn, guided_fn, sampling_fn
+from .guidance import DIT_GUIDED_CHANNELS, check_guided_channels, conditional_fn, guided_fn, sampling_fn
 from .losses import discretized_gaussian_log_likelihood, normal_kl
-from .sampling import SAMPLERS, per_sample_randn, sample_generators, sample_loop
+from .sampling import SAMPLERS, denoise_loop, per_sample_randn, sample_generators, sample_loop
 from .schedule import linear_betas, space_timesteps
 
 __all__ = [
+    "DIT_GUIDED_CHANNELS",
     "SAMPLERS",
     "GaussianDiffusion",
+    "check_guided_channels",
     "conditional_fn",
+    "denoise_loop",
     "discretized_gaussian_log_likelihood",
     "guided_fn",
     "linear_betas",

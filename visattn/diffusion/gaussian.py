@@ -2,7 +2,9 @@
 
 Tensors: images or latents ``x: [B, C, H, W]``; steps ``t: [B]`` (int64, indices into this
 process's steps). A model output is ``[B, 2C, H, W]`` (epsilon, then the variance values
-``v`` in [-1, 1]) with ``learn_sigma``, else ``[B, C, H, W]`` (fixed variance: the posterior's).
+``v`` in [-1, 1]) with ``learn_sigma``, else ``[B, C, H, W]`` with a fixed variance: beta_t
+("fixed-large", what DiT's ``create_diffusion(learn_sigma=False)`` samples with) or, with
+``sigma_small``, the posterior's ("fixed-small").
 A respaced process (``respace``) keeps a subset of the original steps; its ``timestep_map`` gives
 the original step index the model is conditioned on.
 """
@@ -35,6 +37,8 @@ class GaussianDiffusion:
             posterior variance and beta_t, as improved DDPM's ``learned_range``.
         timestep_map: [T] original step index of each step (identity for an unrespaced process).
         original_num_timesteps: T of the process the model was trained on (scales the VLB term).
+        sigma_small: without ``learn_sigma``, sample with the posterior variance instead of
+            DiT's default fixed-large one (improved DDPM's ``FIXED_SMALL`` / ``FIXED_LARGE``).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class GaussianDiffusion:
         learn_sigma: bool = True,
         timestep_map: Sequence[int] | None = None,
         original_num_timesteps: int | None = None,
+        sigma_small: bool = False,
     ) -> None:
         betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
@@ -50,6 +55,7 @@ class GaussianDiffusion:
         self.betas = betas
         self.log_betas = np.log(betas)
         self.learn_sigma = learn_sigma
+        self.sigma_small = sigma_small
         self.num_timesteps = len(betas)
         self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map)
         self.original_num_timesteps = original_num_timesteps or self.num_timesteps
@@ -65,12 +71,16 @@ class GaussianDiffusion:
         # The posterior variance is 0 at t = 0; its log is clipped to the t = 1 value.
         variance_1 = self.posterior_variance[1] if len(betas) > 1 else betas[0]
         self.posterior_log_variance_clipped = np.log(np.append(variance_1, self.posterior_variance[1:]))
+        # Fixed-large: beta_t, except the posterior variance at t = 0 (beta_0 would be far too small
+        # for the last step's noise; as improved DDPM, which DiT uses).
+        self.fixed_large_variance = np.append(variance_1, betas[1:])
+        self.fixed_large_log_variance = np.log(self.fixed_large_variance)
         self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
 
     @classmethod
-    def linear(cls, num_timesteps: int = 1000, learn_sigma: bool = True) -> GaussianDiffusion:
-        return cls(linear_betas(num_timesteps), learn_sigma)
+    def linear(cls, num_timesteps: int = 1000, learn_sigma: bool = True, sigma_small: bool = False) -> GaussianDiffusion:
+        return cls(linear_betas(num_timesteps), learn_sigma, sigma_small=sigma_small)
 
     def respace(self, spacing: str | int) -> GaussianDiffusion:
         """A process over a subset of the steps (``space_timesteps``) with the same marginals
@@ -81,7 +91,9 @@ class GaussianDiffusion:
             betas.append(1.0 - self.alphas_cumprod[step] / last)
             last = self.alphas_cumprod[step]
         mapped = self.timestep_map[kept]
-        return GaussianDiffusion(np.array(betas), self.learn_sigma, mapped, self.original_num_timesteps)
+        return GaussianDiffusion(
+            np.array(betas), self.learn_sigma, mapped, self.original_num_timesteps, sigma_small=self.sigma_small
+        )
 
     # -- helpers ----------------------------------------------------------------------------------
     @staticmethod
@@ -133,8 +145,12 @@ class GaussianDiffusion:
             variance = torch.exp(log_variance)
         else:
             eps = model_output[:, :C]
-            variance = self._at(self.posterior_variance, t, x_t).expand_as(x_t)
-            log_variance = self._at(self.posterior_log_variance_clipped, t, x_t).expand_as(x_t)
+            if self.sigma_small:
+                fixed, fixed_log = self.posterior_variance, self.posterior_log_variance_clipped
+            else:
+                fixed, fixed_log = self.fixed_large_variance, self.fixed_large_log_variance
+            variance = self._at(fixed, t, x_t).expand_as(x_t)
+            log_variance = self._at(fixed_log, t, x_t).expand_as(x_t)
         pred_xstart = self.predict_xstart(x_t, t, eps)
         if clip_denoised:
             pred_xstart = pred_xstart.clamp(-1, 1)

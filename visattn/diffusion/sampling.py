@@ -7,7 +7,7 @@ it is drawn in, and a set of N samples is the same on one process or many.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -46,18 +46,44 @@ def sample_loop(
 ) -> torch.Tensor:
     """Draw ``len(generators)`` samples of per-sample ``shape`` [C, H, W] -> [B, C, H, W].
 
+    Sample i's initial noise and every step's noise come from ``generators[i]`` (see
+    ``denoise_loop`` for the update).
+    """
+    x_T = per_sample_randn(shape, generators, device)
+    return denoise_loop(
+        diffusion, model_fn, x_T, lambda _step: per_sample_randn(shape, generators, device),
+        method, eta, clip_denoised, progress,
+    )
+
+
+@torch.no_grad()
+def denoise_loop(
+    diffusion: GaussianDiffusion,
+    model_fn: ModelFn,
+    x_T: torch.Tensor,
+    step_noise: Callable[[int], torch.Tensor],
+    method: str = "ddpm",
+    eta: float = 0.0,
+    clip_denoised: bool = False,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Run the reverse process from ``x_T: [B, C, H, W]`` down to step 0 -> x_0 [B, C, H, W].
+
     ``model_fn(x_t, model_steps)`` returns the model output for this process's steps already mapped
-    to the original ones. ``ddpm``: ancestral sampling with the model's variance; ``ddim``: the
-    DDIM update with ``eta`` (0 = deterministic) on the same (usually respaced) process.
+    to the original ones. ``step_noise(i)`` gives the noise [B, C, H, W] of step i; it is called
+    once per step, from the last step down to 0 (step 0's noise is drawn and not used, as improved
+    DDPM's ``p_sample_loop`` draws it), so a recorded noise sequence replays a reference run.
+    ``ddpm``: ancestral sampling with the model's variance; ``ddim``: the DDIM update with ``eta``
+    (0 = deterministic) on the same (usually respaced) process.
     """
     if method not in SAMPLERS:
         raise ValueError(f"sampler {method!r} is not known; use one of {SAMPLERS}")
-    x = per_sample_randn(shape, generators, device)
+    x = x_T
     steps = range(diffusion.num_timesteps - 1, -1, -1)
     for i in tqdm(steps, desc=f"{method} sampling", disable=not progress, leave=False):
-        t = torch.full((x.shape[0],), i, dtype=torch.long, device=device)
+        t = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
         out = diffusion.p_mean_variance(model_fn(x, diffusion.model_timesteps(t)), x, t, clip_denoised)
-        noise = per_sample_randn(shape, generators, device)
+        noise = step_noise(i)
         keep_noise = 0.0 if i == 0 else 1.0
         if method == "ddpm":
             x = out["mean"] + keep_noise * torch.exp(0.5 * out["log_variance"]) * noise

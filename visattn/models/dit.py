@@ -13,6 +13,7 @@ checkpoints load strictly.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,9 @@ import torch.nn as nn
 from timm.layers import Mlp, PatchEmbed
 
 from visattn.attention import build_attention, expand_per_layer, parse_attn_spec, per_layer_values
+from visattn.models.budgets import HeadBudget, apply_budget, get_budget, list_budgets
+
+BudgetSpec = str | Mapping[str, Any] | HeadBudget | None
 
 TIMESTEP_FREQUENCIES = 256  # width of the sinusoidal timestep code fed to the timestep MLP
 
@@ -259,32 +263,7 @@ _SIZES: dict[str, dict[str, Any]] = {
 }
 # The original's defaults: 256 px ImageNet through the SD VAE (32x32x4 latents), 1000 classes.
 _IMAGENET_LATENT = {"input_size": 32, "in_channels": 4, "num_classes": 1000}
-
-
-def _repeat(*runs: tuple[int, int]) -> list[int]:
-    """_repeat((8, 9), (16, 10)) -> [8]*9 + [16]*10."""
-    return [value for value, count in runs for _ in range(count)]
-
-
-# The MoH-DiT head pyramids (heads per layer, head width) for L and XL, used by MoH-DiT and Pyramid-DiT.
-_PYRAMIDS: dict[str, dict[str, Any]] = {
-    "L": {"num_heads": _repeat((8, 8), (16, 8), (24, 8)), "head_dim": 64},
-    "XL": {"num_heads": _repeat((8, 9), (16, 10), (24, 9)), "head_dim": 72},
-}
-
-# Released MoH-DiT budgets (shared heads, routed top-k per layer); see shared/reference/moh_budgets.md.
-_MOH_BUDGETS: dict[str, dict[str, list[int]]] = {
-    "S-90": {"shared_heads": _repeat((3, 8), (6, 4)), "routed_topk": _repeat((2, 8), (0, 4))},
-    "S-75": {"shared_heads": [2, 2, 3, 3, 3, 3, 3, 3, 3, 3, 6, 6], "routed_topk": [1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0]},
-    "B-90": {"shared_heads": [6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 12, 12], "routed_topk": _repeat((4, 10), (0, 2))},
-    "B-75": {"shared_heads": _repeat((4, 2), (6, 8), (12, 2)), "routed_topk": _repeat((2, 2), (3, 8), (0, 2))},
-    "L-90": {"shared_heads": _repeat((8, 8), (16, 8), (16, 8)), "routed_topk": _repeat((0, 16), (3, 8))},
-    "L-75": {"shared_heads": _repeat((8, 8), (8, 8), (12, 8)), "routed_topk": _repeat((0, 8), (4, 16))},
-    "XL-90": {"shared_heads": _repeat((8, 9), (16, 10), (16, 9)), "routed_topk": _repeat((0, 19), (3, 9))},
-    "XL-75": {"shared_heads": _repeat((8, 9), (10, 10), (14, 9)), "routed_topk": _repeat((0, 9), (2, 19))},
-    # Ours, for the tiny model: fewer active heads in shallow layers, 18/24 = 75% active.
-    "T-75": {"shared_heads": [1, 1, 2, 2, 2, 4], "routed_topk": [1, 2, 1, 1, 1, 0]},
-}
+_MOH_DIT = "MoH-DiT-"
 
 
 def _build_presets() -> dict[str, dict[str, Any]]:
@@ -293,12 +272,15 @@ def _build_presets() -> dict[str, dict[str, Any]]:
         base = {**_IMAGENET_LATENT, **geometry}
         for patch in (1, 2, 4, 8) if size == "T" else (2, 4, 8):
             presets[f"DiT-{size}/{patch}"] = {**base, "patch_size": patch}
-    for key, budget in _MOH_BUDGETS.items():
-        size, _, ratio = key.partition("-")
-        model = {**presets[f"DiT-{size}/2"], **_PYRAMIDS.get(size, {})}
-        presets[f"MoH-DiT-{size}/2-{ratio}"] = {**model, "attn": {"name": "moh", **budget}}
-    for size, pyramid in _PYRAMIDS.items():
+    # MoH-DiT: DiT's size with the released per-layer budget (visattn.models.budgets, the one home of
+    # the numbers; the L and XL budgets bring their head pyramids).
+    for name in list_budgets():
+        if name.startswith(_MOH_DIT):
+            model = {**presets[f"DiT-{name[len(_MOH_DIT):].split('/')[0]}/2"], "attn": {"name": "moh"}}
+            presets[name] = apply_budget(model, name, depth=model["depth"])
+    for size in ("L", "XL"):
         # The MoH-DiT head pyramid with plain multi-head attention: separates the pyramid from MoH.
+        pyramid = get_budget(f"{_MOH_DIT}{size}/2-90").geometry()
         presets[f"Pyramid-DiT-{size}/2"] = {**presets[f"DiT-{size}/2"], **pyramid, "attn": "mha"}
     return presets
 
@@ -306,15 +288,19 @@ def _build_presets() -> dict[str, dict[str, Any]]:
 DIT_PRESETS: Mapping[str, Mapping[str, Any]] = _build_presets()
 
 
-def dit_preset_config(preset: str, **overrides: Any) -> dict[str, Any]:
+def dit_preset_config(preset: str, budget: BudgetSpec = None, **overrides: Any) -> dict[str, Any]:
     """Constructor keywords of ``preset`` updated by ``overrides`` (``attn`` replaces the preset's
-    attention spec; the head geometry ``num_heads`` / ``head_dim`` stays unless overridden)."""
+    attention spec; the head geometry ``num_heads`` / ``head_dim`` stays unless overridden), then
+    the head ``budget`` applied (a name of ``visattn.models.budgets`` or per-layer lists; see
+    ``apply_budget``)."""
     if preset not in DIT_PRESETS:
         raise ValueError(f"unknown DiT preset {preset!r}; known: {', '.join(DIT_PRESETS)}")
-    return {**DIT_PRESETS[preset], **overrides}
+    config = copy.deepcopy({**DIT_PRESETS[preset], **overrides})
+    return apply_budget(config, budget, depth=config["depth"]) if budget is not None else config
 
 
-def create_dit(preset: str, **overrides: Any) -> DiT:
-    """Build a preset, e.g. ``create_dit("MoH-DiT-XL/2-90")`` or
+def create_dit(preset: str, budget: BudgetSpec = None, **overrides: Any) -> DiT:
+    """Build a preset, e.g. ``create_dit("MoH-DiT-XL/2-90")``,
+    ``create_dit("DiT-S/2", attn="moh", budget="MoH-DiT-S/2-75")`` or
     ``create_dit("DiT-T/2", input_size=8, in_channels=1, num_classes=10)``."""
-    return DiT(**dit_preset_config(preset, **overrides))
+    return DiT(**dit_preset_config(preset, budget, **overrides))
