@@ -5,7 +5,14 @@ loader and facts (class names, native size, channels, splits, where its files li
 feature extractor that scores generated images of it). The modules under ``visattn/data/sets/``
 register on import; a module elsewhere is named by the data config's ``module`` key
 (``data.module=mypackage.mydata``) and imported by ``import_dataset_module``. Adding a dataset is
-that module plus ``conf/data/<name>.yaml``; nothing else names it.
+that module plus ``conf/data/<name>.yaml``; nothing else names it::
+
+    # mypackage/mydata.py
+    def load(split: str, root: Path | None) -> tuple[np.ndarray, np.ndarray]: ...
+    register_array_dataset(ArrayDatasetSpec("mydata", load, classes=("cat", "dog"), image_size=32, channels=3))
+
+    # conf/data/mydata.yaml: name: mydata, module: mypackage.mydata, root: null, image_size: 32,
+    #   in_chans: 3, num_classes: 2, mean: [...], std: [...], num_workers: 0
 
 Every loader returns ``(images, labels)``: ``images: uint8 [N, H, W, C]`` (values 0..255),
 ``labels: int64 [N]`` in ``0 .. num_classes - 1``. Splits are deterministic, so every consumer
