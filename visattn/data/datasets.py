@@ -31,7 +31,7 @@ from .verify import check_verify_level, verify_split
 IMAGEFOLDER_SPLITS = ("train", "val")
 # data keys of data=imagefolder for bad files, and their defaults (conf/data/imagefolder.yaml)
 BAD_IMAGES_DEFAULT = "error"
-VERIFY_DEFAULTS = {"verify_train": "none", "verify_val": "header"}
+VERIFY_DEFAULTS = {"verify_train": "none", "verify_val": "decode"}
 
 
 class ArrayDataset(Dataset):

@@ -6,7 +6,8 @@
   JPEG must end in its end-of-image marker (a truncated one does not) and a PNG's chunks must
   pass their checksums. A file failing these is then fully decoded, and only a file that fails to
   decode is reported, so a JPEG with trailing bytes after its end marker is no false alarm.
-- ``level="decode"``: fully decode every file, as training would (the cost of a data epoch).
+- ``level="decode"``: fully decode every file, as training would (the cost of a data epoch
+  without the transforms); also finds corrupt data inside a file whose header and end are intact.
 
 In error mode it raises ``BadImageError`` listing the bad files; in skip mode it returns them,
 drops them from the dataset and records them in its skip list.
@@ -77,7 +78,7 @@ def find_bad_files(paths: Iterable[str], level: str = "header", workers: int = 1
         results = [check_image_file(path, level) for path in paths]
     else:
         with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(lambda path: check_image_file(path, level), paths, chunksize=64))
+            results = list(pool.map(lambda path: check_image_file(path, level), paths))
     return [bad for bad in results if bad is not None]
 
 
