@@ -142,7 +142,8 @@ class ImageFolderSplit(ImageFolder):
         if not -len(self.samples) <= index < len(self.samples):
             raise IndexError(f"index {index} is out of range for {len(self.samples)} files of {self.root}")
         index %= len(self.samples)
-        for offset in range(min(MAX_CONSECUTIVE_BAD, len(self.samples))):
+        tries = min(MAX_CONSECUTIVE_BAD, len(self.samples))
+        for offset in range(tries):
             path, target = self.samples[(index + offset) % len(self.samples)]
             try:
                 image = decode_image(path)
@@ -151,7 +152,7 @@ class ImageFolderSplit(ImageFolder):
                 continue
             return self._transformed(image, target)
         raise BadImageError(
-            f"{MAX_CONSECUTIVE_BAD} consecutive files of {self.root} from index {index} cannot be decoded "
+            f"{tries} consecutive files of {self.root} from index {index} cannot be decoded "
             f"(e.g. {self.samples[index][0]}); check that the folder is readable and holds images",
             path=str(self.samples[index][0]),
         )
