@@ -1,4 +1,5 @@
-"""Classification datasets by name (``data.name``): digits, fashion_mnist, imagefolder, fake.
+"""Classification datasets by name (``data.name``): any registered array dataset (digits,
+fashion_mnist, ...; see ``visattn.data.registry``), ``imagefolder`` and ``fake``.
 
 Every dataset yields ``(image [C, H, W] float, label int)``; ``build_datasets`` returns the train
 and held-out splits, ``check_data_config`` validates a ``data`` config before any work starts.
@@ -14,13 +15,23 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets import ImageFolder
 
-from .sources import FASHION_MNIST_DEBIAN_ROOT, load_arrays
+from .images import ImageFolderSplit, check_bad_images_mode
+from .registry import (
+    ArrayDatasetSpec,
+    dataset_names,
+    get_array_dataset,
+    import_dataset_module,
+    is_array_dataset,
+    load_arrays,
+)
 from .transforms import array_transform, imagefolder_transform
+from .verify import check_verify_level, verify_split
 
-DATASETS = ("digits", "fashion_mnist", "imagefolder", "fake")
 IMAGEFOLDER_SPLITS = ("train", "val")
+# data keys of data=imagefolder for bad files, and their defaults (conf/data/imagefolder.yaml)
+BAD_IMAGES_DEFAULT = "error"
+VERIFY_DEFAULTS = {"verify_train": "none", "verify_val": "decode"}
 
 
 class ArrayDataset(Dataset):
@@ -61,9 +72,13 @@ class FakeDataset(Dataset):
 
 def check_data_config(data: Mapping[str, Any]) -> None:
     """Raise ValueError / FileNotFoundError naming the key, the bad value and the fix."""
+    import_dataset_module(data)
     name = data.get("name")
-    if name not in DATASETS:
-        raise ValueError(f"data.name={name!r} is not known; use one of {DATASETS} (data=<name> on the command line)")
+    if name not in dataset_names():
+        raise ValueError(
+            f"data.name={name!r} is not known; use one of {tuple(dataset_names())} (data=<name> on the command "
+            f"line; a new array dataset: data.module=<module that registers it>)"
+        )
     for key in ("image_size", "in_chans", "num_classes"):
         value = data.get(key)
         if not isinstance(value, int) or value < 1:
@@ -73,21 +88,48 @@ def check_data_config(data: Mapping[str, Any]) -> None:
             raise ValueError(
                 f"data.{key}={list(data[key])} needs one value per channel (data.in_chans={data['in_chans']})"
             )
+    if is_array_dataset(name):
+        _check_array_config(data, get_array_dataset(name))
+    elif name == "imagefolder":
+        _check_imagefolder_config(data)
+
+
+def _check_array_config(data: Mapping[str, Any], spec: ArrayDatasetSpec) -> None:
+    for key, actual in (("in_chans", spec.channels), ("num_classes", spec.num_classes)):
+        if data[key] != actual:
+            raise ValueError(f"data.{key}={data[key]} but dataset {spec.name} has {actual}; set data.{key}={actual}")
     root = data.get("root")
-    if name == "imagefolder":
-        if root is None:
-            raise ValueError("data.root=null: data=imagefolder needs data.root=PATH, a folder with train/ and val/")
-        for split in IMAGEFOLDER_SPLITS:
-            if not (Path(root) / split).is_dir():
-                raise FileNotFoundError(
-                    f"data.root={root}: folder {Path(root) / split} does not exist; data=imagefolder expects "
-                    f"ImageNet layout ROOT/train/<class>/*.jpeg and ROOT/val/<class>/*.jpeg"
-                )
-    elif name == "fashion_mnist" and root is not None and not Path(root).is_dir():
+    if root is not None and not Path(root).is_dir():
+        default = f" or set data.root=null to use {spec.default_root}" if spec.default_root is not None else ""
+        hint = f" ({spec.files_hint})" if spec.files_hint else ""
         raise FileNotFoundError(
-            f"data.root={root} does not exist; point it at the folder holding the Fashion-MNIST IDX files or set "
-            f"data.root=null to use {FASHION_MNIST_DEBIAN_ROOT} (apt-get install dataset-fashion-mnist)"
+            f"data.root={root} does not exist; point it at the folder holding the {spec.name} files{default}{hint}"
         )
+
+
+def _check_imagefolder_config(data: Mapping[str, Any]) -> None:
+    root = data.get("root")
+    if root is None:
+        raise ValueError("data.root=null: data=imagefolder needs data.root=PATH, a folder with train/ and val/")
+    for split in IMAGEFOLDER_SPLITS:
+        if not (Path(root) / split).is_dir():
+            raise FileNotFoundError(
+                f"data.root={root}: folder {Path(root) / split} does not exist; data=imagefolder expects "
+                f"ImageNet layout ROOT/train/<class>/*.jpeg and ROOT/val/<class>/*.jpeg"
+            )
+    check_bad_images_mode(data.get("bad_images", BAD_IMAGES_DEFAULT))
+    for key, default in VERIFY_DEFAULTS.items():
+        check_verify_level(f"data.{key}", data.get(key, default))
+
+
+def build_imagefolder_split(data: Mapping[str, Any], split: str, transform: Callable | None) -> ImageFolderSplit:
+    """``data.root/<split>`` as an ``ImageFolderSplit`` under ``data.bad_images``, checked up front at
+    the level ``data.verify_<split>`` (bad files raise, or are dropped and listed, before any training)."""
+    bad_images = data.get("bad_images", BAD_IMAGES_DEFAULT)
+    dataset = ImageFolderSplit(Path(data["root"]) / split, transform=transform, bad_images=bad_images)
+    level = data.get(f"verify_{split}", VERIFY_DEFAULTS.get(f"verify_{split}", "none"))
+    verify_split(dataset, bad_images, level, workers=max(1, int(data.get("num_workers") or 1)))
+    return dataset
 
 
 def build_datasets(data: Mapping[str, Any], aug: Mapping[str, Any], seed: int = 0) -> tuple[Dataset, Dataset]:
@@ -95,12 +137,11 @@ def build_datasets(data: Mapping[str, Any], aug: Mapping[str, Any], seed: int = 
     check_data_config(data)
     name = data["name"]
     if name == "imagefolder":
-        root = Path(data["root"])
-        train = ImageFolder(root / "train", transform=imagefolder_transform(data, aug, train=True))
-        val = ImageFolder(root / "val", transform=imagefolder_transform(data, aug, train=False))
+        train = build_imagefolder_split(data, "train", imagefolder_transform(data, aug, train=True))
+        val = build_imagefolder_split(data, "val", imagefolder_transform(data, aug, train=False))
         if len(train.classes) != data["num_classes"]:
             raise ValueError(
-                f"data.num_classes={data['num_classes']} but {root / 'train'} has {len(train.classes)} class "
+                f"data.num_classes={data['num_classes']} but {train.root} has {len(train.classes)} class "
                 f"folders; set data.num_classes={len(train.classes)}"
             )
         return train, val
@@ -110,11 +151,10 @@ def build_datasets(data: Mapping[str, Any], aug: Mapping[str, Any], seed: int = 
             FakeDataset(data.get("train_size", 1024), shape, data["num_classes"], seed=seed),
             FakeDataset(data.get("val_size", 256), shape, data["num_classes"], seed=seed + 1),
         )
+    spec = get_array_dataset(name)
     splits = []
-    for split, train in (("train", True), ("test", False)):
+    for split, train in ((spec.train_split, True), (spec.heldout_split, False)):
         images, labels = load_arrays(name, split, data.get("root"))
-        if images.shape[-1] != data["in_chans"]:
-            raise ValueError(f"data.in_chans={data['in_chans']} but {name} images have {images.shape[-1]} channels")
         transform = array_transform(data, aug, train=train, native_size=images.shape[1])
         splits.append(ArrayDataset(images, labels, transform))
     return splits[0], splits[1]
