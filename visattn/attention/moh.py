@@ -45,26 +45,39 @@ class MoHAttention(HeadAttention):
         if impl == "sparse" and reason is not None:
             raise ValueError(f"impl='sparse' is not available here: {reason}; use impl='dense' or 'auto'")
         self.sparse_ok = reason is None
+        # "auto" goes sparse in eval where that measured faster: linear router, at most half the pool.
+        self.sparse_auto = (
+            self.sparse_ok
+            and self.router.router_kind == "linear"
+            and routed_density(self) <= SPARSE_PROJECTION_MAX_DENSITY
+        )
 
     def uses_sparse(self, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> bool:
         """Whether forward takes the sparse path for these arguments in the current mode."""
         if not self.sparse_ok or attn_mask is not None or is_causal:
             return False
         if self.impl == "auto":
-            return (
-                not self.training
-                and self.router.router_kind == "linear"
-                and (routed_density(self) <= SPARSE_PROJECTION_MAX_DENSITY)
-            )
+            return self.sparse_auto and not self.training
         return self.impl == "sparse"
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
-        """x: [B, N, C] -> [B, N, dim_out]; see ``HeadAttention.forward``."""
-        if self.uses_sparse(attn_mask, is_causal):
-            return sparse_moh_forward(self, x)
-        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        """x: [B, N, C] -> [B, N, dim_out]; see ``HeadAttention.forward``.
+
+        TorchScript always takes the dense path (the sparse one groups tokens with Python lists).
+        Under ``torch.compile`` the sparse path is left eager (data-dependent group sizes would break
+        the graph anyway); training, ``impl="dense"`` and a scripted module compile as one graph.
+        """
+        if not torch.jit.is_scripting() and self.uses_sparse(attn_mask, is_causal):
+            return self.sparse_forward(x)
+        return self.dense_forward(x, attn_mask, is_causal)
+
+    @torch.jit.unused
+    @torch.compiler.disable
+    def sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Only the selected (token, head) pairs computed (``visattn.attention.sparse``). x: [B, N, C]."""
+        return sparse_moh_forward(self, x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"

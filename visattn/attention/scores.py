@@ -24,7 +24,7 @@ def additive_mask(
     attn_mask: torch.Tensor | None, is_causal: bool, n: int, m: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor | None:
     """The mask as a float tensor broadcastable to [B, H, N, M] (0 = attend, -inf = masked), or None."""
-    out = None
+    out: torch.Tensor | None = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             out = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(~attn_mask, float("-inf"))
