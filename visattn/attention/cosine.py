@@ -147,8 +147,8 @@ class CosineAttention(HeadAttention):
         prefix tokens, so this choice only matters in a ViT, where it keeps the class token's
         attention unbiased.
         """
-        grid_size, cpb = self.grid_size, self.cpb
-        if grid_size is None or cpb is None:
+        grid_size = self.grid_size
+        if grid_size is None or self.cpb is None:
             return None
         h, w = grid_size
         prefix = num_queries - h * w
@@ -157,7 +157,7 @@ class CosineAttention(HeadAttention):
                 f"grid_size=({h}, {w}) ({h * w} grid tokens) does not fit {num_queries} queries and "
                 f"{num_keys} keys; call set_grid_size with this input's token grid (or None)"
             )
-        bias = cpb(grid_size)
+        bias = self.cpb(grid_size)
         return F.pad(bias, (prefix, 0, prefix, 0)) if prefix > 0 else bias
 
     def attend(
