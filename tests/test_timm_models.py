@@ -141,3 +141,13 @@ def test_every_variant_trains_in_a_transnext_with_a_gradient_for_every_parameter
     except (TypeError, ValueError) as err:
         pytest.xfail(f"TransNeXt (helper B's file) does not build {name} yet: {err}")
     _step_and_check_grads(model, model(torch.randn(2, 3, 64, 64)).logsumexp(-1).mean())
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_moh_vit_traces_with_torch_fx(train):
+    """fx records MoH's dense path (the eval-time sparse path groups tokens by data)."""
+    torch.manual_seed(0)
+    model = timm.create_model(TINY, attn="moh", depth=2).train(train)
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(traced(x), model(x), rtol=1e-4, atol=1e-5)  # no dropout: deterministic

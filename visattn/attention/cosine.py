@@ -152,13 +152,16 @@ class CosineAttention(HeadAttention):
             return None
         h, w = grid_size
         prefix = num_queries - h * w
-        if num_queries != num_keys or prefix < 0:
+        # Checked on ints only: under torch.fx the token counts are symbolic and the check is skipped.
+        if isinstance(prefix, int) and (num_queries != num_keys or prefix < 0):
             raise ValueError(
                 f"grid_size=({h}, {w}) ({h * w} grid tokens) does not fit {num_queries} queries and "
                 f"{num_keys} keys; call set_grid_size with this input's token grid (or None)"
             )
         bias = self.cpb(grid_size)
-        return F.pad(bias, (prefix, 0, prefix, 0)) if prefix > 0 else bias
+        if isinstance(prefix, int) and prefix == 0:
+            return bias
+        return F.pad(bias, (prefix, 0, prefix, 0))
 
     def attend(
         self,

@@ -76,7 +76,10 @@ class MoHAttention(HeadAttention):
     @torch.jit.unused
     @torch.compiler.disable
     def sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Only the selected (token, head) pairs computed (``visattn.attention.sparse``). x: [B, N, C]."""
+        """Only the selected (token, head) pairs computed (``visattn.attention.sparse``). x: [B, N, C].
+        torch.fx records the dense path instead: a traced graph cannot hold data-dependent token groups."""
+        if isinstance(x, torch.fx.Proxy):
+            return self.dense_forward(x)
         return sparse_moh_forward(self, x)
 
     def extra_repr(self) -> str:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask, dot_scores, repeat_kv
+from .scores import additive_mask, dot_scores, expand_kv_groups
 
 STAGES = ("pre", "post", None)
 IMPLS = ("reference", "factorized")
@@ -205,7 +205,7 @@ class MultiTokenAttention(HeadAttention):
         """Reference path. q: [B, H, N, d], k: [B, H_kv, M, d] -> weights [B, H, N, M]."""
         if is_causal and not self.causal:
             raise ValueError("is_causal=True needs an mta layer built with causal=True (its kernels are past-only)")
-        scores = dot_scores(q, k, self.scale)
+        scores = dot_scores(q, k, self.scale, self.num_heads // self.num_kv_heads)
         mask = additive_mask(attn_mask, self.causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
         keep = None if mask is None else torch.isfinite(mask)
         if keep is not None:
@@ -234,7 +234,7 @@ class MultiTokenAttention(HeadAttention):
             out = self.factorized_heads(q, k, v)
         else:
             weights = self.attn_drop(self.attention_weights(q, k, attn_mask, is_causal))
-            out = weights @ repeat_kv(v, q.shape[1]).to(weights.dtype)
+            out = weights @ expand_kv_groups(v, self.num_heads // self.num_kv_heads).to(weights.dtype)
         head_norm = self.head_norm
         if head_norm is not None:
             out = head_norm(out) * self.head_scale
@@ -249,7 +249,8 @@ class MultiTokenAttention(HeadAttention):
         q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d] (before the head norm).
         """
         H = self.num_heads
-        k, v = repeat_kv(k, H), repeat_kv(v, H)
+        groups = H // self.num_kv_heads
+        k, v = expand_kv_groups(k, groups), expand_kv_groups(v, groups)
         pre, post = self.stage_kernel("pre"), self.stage_kernel("post")
         if pre is not None:
             q, k = _fold_kernel_into_qk(q, k, *pre)

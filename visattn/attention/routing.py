@@ -166,7 +166,7 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         if self.routed_topk == 0:  # dense: soft weights over every head
             gates = self._shared_gates(x)
-            selected = torch.ones(B, N, self.num_heads, dtype=torch.bool, device=x.device)
+            selected = x.new_ones((B, N, self.num_heads), dtype=torch.bool)
         else:
             routed, selected = self._routed_gates(x, q)
             if self.shared_heads == 0:
@@ -179,7 +179,7 @@ class HeadRouter(nn.Module):
                     shared = shared * alpha[..., :1]
                     routed = routed * alpha[..., 1:]
                 gates = torch.cat([shared, routed], dim=-1)
-            always = torch.ones(B, N, self.shared_heads, dtype=torch.bool, device=x.device)
+            always = x.new_ones((B, N, self.shared_heads), dtype=torch.bool)
             selected = torch.cat([always, selected], dim=-1)
         self.head_load = selected.float().mean(dim=1)
         return gates, selected
