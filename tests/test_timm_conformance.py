@@ -38,7 +38,7 @@ def timm_test_models_file() -> Path:
     sdist = cache / f"timm-{timm.__version__}.tar.gz"
     if not sdist.exists():
         cmd = [sys.executable, "-m", "pip", "download", f"timm=={timm.__version__}", "--no-deps",
-               "--no-binary", ":all:", "-d", str(cache), "-q"]
+               "--no-binary", ":all:", "-d", str(cache), "-q", "--timeout", "30", "--retries", "1"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as err:

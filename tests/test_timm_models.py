@@ -31,6 +31,11 @@ def test_pretrained_config_describes_the_preset():
     assert big.pretrained_cfg["input_size"] == (3, 224, 224) and "arXiv:2410.11842" in big.pretrained_cfg["paper_ids"]
 
 
+def test_pretrained_without_a_file_says_how_to_give_one():
+    with pytest.raises(ValueError, match="pretrained_cfg_overlay=dict\\(file=PATH\\)"):
+        timm.create_model(TINY, pretrained=True)
+
+
 def _timm_vit_file(tmp_path, wrap=True):
     torch.manual_seed(0)
     ref = VisionTransformer(**TINY_ARGS).eval()

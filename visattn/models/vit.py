@@ -85,7 +85,7 @@ def set_patch_grid(model: VisionTransformer) -> None:
 
     The grid is the last ``H * W`` tokens of the sequence; the class and register tokens in front
     get zero bias. ``dynamic_img_size`` changes the grid per input, which a fixed bias table cannot
-    follow, so it is refused for such layers.
+    follow, so it is refused for such layers. After ``model.set_input_size(...)`` call this again.
     """
     layers = [m for _, m in attention_modules(model) if getattr(m, "cpb", None) is not None]
     if not layers:
@@ -136,6 +136,13 @@ def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: VisionTransformer
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if pretrained and not (overlay.get("file") or overlay.get("state_dict") or kwargs.get("pretrained_cfg")):
+        raise ValueError(
+            f"{variant} has no hosted weights and visattn downloads nothing; give a local checkpoint: "
+            f"timm.create_model({variant!r}, pretrained=True, pretrained_cfg_overlay=dict(file=PATH)) "
+            "(DeiT / timm ViT / visattn weights, .pth or .safetensors)"
+        )
     # img_size, in_chans and num_classes come from the pretrained config (timm's defaults mechanism)
     skip = ("img_size", "in_chans", "num_classes")
     preset = {k: v for k, v in VIT_PRESETS[variant.removeprefix("visattn_vit_")].items() if k not in skip}
