@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export MALLOC_MMAP_THRESHOLD_ := 33554432
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean timm-conformance
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,3 +26,7 @@ lint: $(VENV)/.stamp
 
 clean:
 	rm -rf $(VENV) outputs multirun
+
+# timm's own tests/test_models.py (installed version, from its sdist) on every visattn_* model
+timm-conformance: $(VENV)/.stamp
+	VISATTN_TIMM_CONFORMANCE=full $(PY) -m pytest -q -s -p no:cacheprovider tests/test_timm_conformance.py

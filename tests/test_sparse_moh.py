@@ -96,7 +96,7 @@ def test_bf16_autocast_close_to_dense():
 def test_auto_picks_sparse_in_eval_and_dense_in_training(monkeypatch):
     m = _moh(shared_heads=1, routed_topk=1)
     calls = []
-    monkeypatch.setattr("visattn.attention.mha.sparse_moh_forward", lambda attn, x: calls.append(1) or x)
+    monkeypatch.setattr("visattn.attention.moh.sparse_moh_forward", lambda attn, x: calls.append(1) or x)
     x = torch.randn(2, 5, 32)
     m.eval()(x)
     assert calls == [1] and m.uses_sparse()

@@ -7,8 +7,6 @@ head's output per token before the output projection. Variants change how heads 
 overriding ``attend``; routing, projections and the timm contract stay here.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -51,6 +49,10 @@ class HeadAttention(nn.Module):
     """
 
     swappable: bool = True
+    # Evaluated annotations (no ``from __future__ import annotations`` in this file): TorchScript
+    # reads them to type the attributes forward writes.
+    stats: dict[str, torch.Tensor]
+    __jit_unused_properties__ = ["active_heads", "aux_loss"]
 
     def __init__(
         self,
@@ -115,7 +117,7 @@ class HeadAttention(nn.Module):
             else None
         )
         # Per-forward statistics for load plots (detached); see visattn.attention_stats.
-        self.stats: dict[str, torch.Tensor] = {}
+        self.stats = {}
 
     @property
     def active_heads(self) -> tuple[int, int]:
@@ -130,6 +132,11 @@ class HeadAttention(nn.Module):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, N, C] -> q [B, H, N, d], k and v [B, H_kv, N, d]."""
+        return self.project_equal_heads(x)
+
+    def project_equal_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project_qkv`` for heads of equal width (callable by variants that override it).
+        x: [B, N, C] -> q [B, H, N, d], k and v [B, H_kv, N, d]."""
         B, N, _ = x.shape
         q, k, v = self.qkv(x).split([self.attn_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
@@ -146,6 +153,20 @@ class HeadAttention(nn.Module):
         is_causal: bool = False,
     ) -> torch.Tensor:
         """Per-head attention. q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
+        return self.sdpa(q, k, v, attn_mask, is_causal)
+
+    def sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Softmax attention through SDPA with this layer's dropout and key/value grouping (what
+        ``attend`` does; variants call it after changing q/k, since TorchScript has no ``super()``).
+        q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -153,24 +174,38 @@ class HeadAttention(nn.Module):
             attn_mask=attn_mask,
             dropout_p=self.attn_drop.p if self.training else 0.0,
             is_causal=is_causal,
+            scale=scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
 
     def merge_heads(self, x: torch.Tensor, heads: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
+        return self.merge_equal_heads(x, heads, gates)
+
+    def merge_equal_heads(self, x: torch.Tensor, heads: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        """``merge_heads`` for heads of equal width (callable by variants that override it).
+        heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
         B, _, N, _ = heads.shape
         if gates is not None:
             heads = heads * gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
-        out = heads.transpose(1, 2).reshape(B, N, self.attn_dim)
+        out = heads.transpose(1, 2).reshape(B, N, -1)
         out = self.norm(out)
-        if self.gate is not None:
-            out = out * self.gate(x).sigmoid()
+        gate = self.gate
+        if gate is not None:
+            out = out * gate(x).sigmoid()
         return self.proj_drop(self.proj(out))
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """x: [B, N, C]; attn_mask broadcastable to [B, H, N, N] (bool: True = attend) -> [B, N, dim_out]."""
+        return self.dense_forward(x, attn_mask, is_causal)
+
+    def dense_forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """Every head computed, unselected heads zeroed by their gates (``forward``'s path; variants
+        with other paths fall back to it). x: [B, N, C] -> [B, N, dim_out]."""
         q, k, v = self.project_qkv(x)
         gates, _ = self.route(x, q)
         heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
@@ -181,10 +216,13 @@ class HeadAttention(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Head gates [B, N, H] and selection [B, N, H] for tokens x: [B, N, C] (None, None without
         routing); records the per-sample head load in ``stats``."""
-        if self.router is None:
+        router = self.router
+        if router is None:
             return None, None
-        gates, selected = self.router(x, q)
-        self.stats["head_load"] = self.router.head_load
+        gates, selected = router(x, q)
+        load = router.head_load
+        if load is not None:
+            self.stats["head_load"] = load
         return gates, selected
 
     def extra_repr(self) -> str:

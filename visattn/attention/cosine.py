@@ -140,18 +140,28 @@ class CosineAttention(HeadAttention):
         self.grid_size = grid_size
 
     def relative_position_bias(self, num_queries: int, num_keys: int) -> torch.Tensor | None:
-        """[H, N, M] bias over the whole sequence (zero rows/columns for leading non-grid tokens), or None."""
-        if self.grid_size is None or self.cpb is None:
+        """[H, N, M] bias over the whole sequence, or None without a grid.
+
+        The grid is the last ``H * W`` tokens; leading prefix tokens (a ViT's class and register
+        tokens) get zero bias in their rows and columns. The released MoH-ViT / TransNeXt have no
+        prefix tokens, so this choice only matters in a ViT, where it keeps the class token's
+        attention unbiased.
+        """
+        grid_size = self.grid_size
+        if grid_size is None or self.cpb is None:
             return None
-        h, w = self.grid_size
+        h, w = grid_size
         prefix = num_queries - h * w
-        if num_queries != num_keys or prefix < 0:
+        # Checked on ints only: under torch.fx the token counts are symbolic and the check is skipped.
+        if isinstance(prefix, int) and (num_queries != num_keys or prefix < 0):
             raise ValueError(
-                f"grid_size={self.grid_size} ({h * w} grid tokens) does not fit {num_queries} queries and "
+                f"grid_size=({h}, {w}) ({h * w} grid tokens) does not fit {num_queries} queries and "
                 f"{num_keys} keys; call set_grid_size with this input's token grid (or None)"
             )
-        bias = self.cpb(self.grid_size)
-        return F.pad(bias, (prefix, 0, prefix, 0)) if prefix else bias
+        bias = self.cpb(grid_size)
+        if isinstance(prefix, int) and prefix == 0:
+            return bias
+        return F.pad(bias, (prefix, 0, prefix, 0))
 
     def attend(
         self,
@@ -171,16 +181,7 @@ class CosineAttention(HeadAttention):
             mask = additive_mask(attn_mask, is_causal, n, m, q.dtype, q.device)
             attn_mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
             is_causal = False
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.attn_drop.p if self.training else 0.0,
-            is_causal=is_causal,
-            scale=1.0,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        return self.sdpa(q, k, v, attn_mask, is_causal, scale=1.0)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, grid_size={self.grid_size}"

@@ -62,25 +62,32 @@ class UnevenHeadAttention(HeadAttention):
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, N, C] -> q, k, v [B, H, N, max d_h] (zero-padded per head)."""
         if not self.uneven:
-            return super().project_qkv(x)
+            return self.project_equal_heads(x)
         q, k, v = self.qkv(x).split([self.attn_dim] * 3, dim=-1)
         return self._pad(q), self._pad(k), self._pad(v)
 
-    def attend(self, q, k, v, attn_mask=None, is_causal=False) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
         if self.uneven:
             q = q * self.query_rescale.to(q.dtype)
-        return super().attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        return self.sdpa(q, k, v, attn_mask, is_causal)
 
     def merge_heads(self, x: torch.Tensor, heads: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """heads: [B, H, N, max d_h] weighted by gates [B, N, H] -> [B, N, dim_out]."""
         if not self.uneven:
-            return super().merge_heads(x, heads, gates)
+            return self.merge_equal_heads(x, heads, gates)
         B, _, N, _ = heads.shape
         if gates is not None:
             heads = heads * gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
         flat = heads.transpose(1, 2).reshape(B, N, -1).index_select(-1, self.channel_index)
         # Hand the unpadded heads to the shared tail (norm, gate, proj) as one head of width sum d_h.
-        return super().merge_heads(x, flat.unsqueeze(1), None)
+        return self.merge_equal_heads(x, flat.unsqueeze(1), None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, head_dims={self.head_dims}"
@@ -114,14 +121,21 @@ class AdaptiveHeadAttention(HeadAttention):
         width = self.alpha.float()[:, None] * self.head_dim
         return torch.sigmoid(self.sharpness * (width - self.channel_pos - 0.5))
 
-    def attend(self, q, k, v, attn_mask=None, is_causal=False) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
         mask = self.channel_mask()
         width = mask.sum(dim=-1)
         self.stats["head_width"] = width.detach()
         mask = mask[:, None, :].to(q.dtype)  # [H, 1, d]
         # SDPA scales by 1/sqrt(head_dim); head h should see 1/sqrt(width_h).
         q = q * mask * (self.head_dim / width.clamp_min(1.0)).sqrt()[:, None, None].to(q.dtype)
-        return super().attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal) * mask
+        return self.sdpa(q, k, v, attn_mask, is_causal) * mask
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sharpness={self.sharpness}"

@@ -1,77 +1,14 @@
-"""Standard multi-head attention (MHA), Mixture-of-Head attention (MoH), and MQA/GQA."""
+"""Standard multi-head attention (MHA) and its grouped key/value forms (GQA, MQA)."""
 
 from __future__ import annotations
 
-import torch
-
 from .base import HeadAttention
 from .registry import register_attention
-from .routing import default_budget
-from .sparse import SPARSE_PROJECTION_MAX_DENSITY, routed_density, sparse_moh_forward, sparse_moh_supported
-
-MOH_IMPLS = ("auto", "dense", "sparse")
 
 
 @register_attention("mha")
 class MultiHeadAttention(HeadAttention):
     """Plain multi-head attention; equals timm's ``Attention`` with the same weights."""
-
-
-@register_attention("moh")
-class MoHAttention(HeadAttention):
-    """Mixture-of-Head attention: shared heads always on, ``routed_topk`` of the rest per token.
-
-    Without a budget it uses half the heads as shared and routes half of the remaining pool.
-    ``impl``: ``"dense"`` computes every head and zeroes the unselected ones (the reference, and the
-    training path); ``"sparse"`` computes only the selected (token, head) pairs
-    (``visattn.attention.sparse``); ``"auto"`` (default) is sparse in eval mode where that measured
-    faster (linear router, at most half of the routed pool per token), dense otherwise and in
-    training. An attention mask or ``is_causal`` always takes the dense path.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        *,
-        shared_heads: int | None = None,
-        routed_topk: int | None = None,
-        impl: str = "auto",
-        **kwargs,
-    ) -> None:
-        if impl not in MOH_IMPLS:
-            raise ValueError(f"impl={impl!r} is not known; use one of {MOH_IMPLS}")
-        if routed_topk is None:
-            shared_heads, routed_topk = default_budget(num_heads, shared_heads)
-        super().__init__(dim, num_heads, shared_heads=shared_heads or 0, routed_topk=routed_topk, **kwargs)
-        self.impl = impl
-        reason = sparse_moh_supported(self)
-        if impl == "sparse" and reason is not None:
-            raise ValueError(f"impl='sparse' is not available here: {reason}; use impl='dense' or 'auto'")
-        self.sparse_ok = reason is None
-
-    def uses_sparse(self, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> bool:
-        """Whether forward takes the sparse path for these arguments in the current mode."""
-        if not self.sparse_ok or attn_mask is not None or is_causal:
-            return False
-        if self.impl == "auto":
-            return (
-                not self.training
-                and self.router.router_kind == "linear"
-                and (routed_density(self) <= SPARSE_PROJECTION_MAX_DENSITY)
-            )
-        return self.impl == "sparse"
-
-    def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
-    ) -> torch.Tensor:
-        """x: [B, N, C] -> [B, N, dim_out]; see ``HeadAttention.forward``."""
-        if self.uses_sparse(attn_mask, is_causal):
-            return sparse_moh_forward(self, x)
-        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, impl={self.impl}"
 
 
 @register_attention("gqa")

@@ -31,13 +31,13 @@ import torch.nn.functional as F
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask, dot_scores, repeat_kv
+from .scores import additive_mask, dot_scores, expand_kv_groups
 
 STAGES = ("pre", "post", None)
 IMPLS = ("reference", "factorized")
 
 
-def _shifts(x: torch.Tensor, offsets: range) -> torch.Tensor:
+def _shifts(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     """x: [..., N, d] -> [..., len(offsets), N, d] with out[..., o, i] = x[..., i + offsets[o]] (0 outside)."""
     n = x.shape[-2]
     lo, hi = max(0, -min(offsets)), max(0, max(offsets))
@@ -49,7 +49,9 @@ def _shifts(x: torch.Tensor, offsets: range) -> torch.Tensor:
 # gives each output head o of a group its taps over the group's heads i (or e), queries a, keys b.
 
 
-def _fold_kernel_into_qk(q, k, kernel, q_pad, k_pad):
+def _fold_kernel_into_qk(
+    q: torch.Tensor, k: torch.Tensor, kernel: torch.Tensor, q_pad: tuple[int, int], k_pad: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-softmax conv as one dot product: conv(q k^T)[i, j] = q'_i . k'_j, with q'_i the group's
     queries at i + alpha stacked over taps alpha and k'_j the kernel-weighted sum over key taps.
 
@@ -59,7 +61,7 @@ def _fold_kernel_into_qk(q, k, kernel, q_pad, k_pad):
     B, H, N, d = q.shape
     _, c_in, c_q, c_k = kernel.shape
     G = H // c_in
-    q_off, k_off = range(-q_pad[0], c_q - q_pad[0]), range(-k_pad[0], c_k - k_pad[0])
+    q_off, k_off = list(range(-q_pad[0], c_q - q_pad[0])), list(range(-k_pad[0], c_k - k_pad[0]))
     qs = _shifts(q.reshape(B, G, c_in, N, d), q_off)  # [B, G, c_in, c_q, N, d]
     qs = qs.permute(0, 1, 4, 2, 3, 5).reshape(B, G, 1, N, c_in * c_q * d).expand(B, G, c_in, N, -1)
     ks = _shifts(k.reshape(B, G, c_in, -1, d), k_off)  # [B, G, c_in, c_k, M, d]
@@ -68,7 +70,9 @@ def _fold_kernel_into_qk(q, k, kernel, q_pad, k_pad):
     return qs.reshape(B, H, N, -1), kf.reshape(B, H, kf.shape[3], -1)
 
 
-def _stack_shifted_values(v, kernel, q_pad, k_pad):
+def _stack_shifted_values(
+    v: torch.Tensor, kernel: torch.Tensor, q_pad: tuple[int, int], k_pad: tuple[int, int]
+) -> torch.Tensor:
     """Values for a post-softmax conv: for every head, its group's values shifted by every key tap
     (sum_j conv(A)[i, j] v_j = sum of taps of A[i + alpha, :] @ v[. - beta]).
 
@@ -77,19 +81,21 @@ def _stack_shifted_values(v, kernel, q_pad, k_pad):
     B, H, M, d = v.shape
     _, c_in, _, c_k = kernel.shape
     G = H // c_in
-    vs = _shifts(v.reshape(B, G, c_in, M, d), range(k_pad[0], k_pad[0] - c_k, -1))  # v[j - beta]
+    vs = _shifts(v.reshape(B, G, c_in, M, d), list(range(k_pad[0], k_pad[0] - c_k, -1)))  # v[j - beta]
     vs = vs.permute(0, 1, 4, 2, 3, 5).reshape(B, G, 1, M, c_in * c_k * d)
     return vs.expand(B, G, c_in, M, -1).reshape(B, H, M, -1)
 
 
-def _combine_shifted_outputs(out, kernel, q_pad, k_pad):
+def _combine_shifted_outputs(
+    out: torch.Tensor, kernel: torch.Tensor, q_pad: tuple[int, int], k_pad: tuple[int, int]
+) -> torch.Tensor:
     """Finish a post-softmax conv: shift each source head's outputs by the query taps and sum with
     the kernel. out: [B, H, N, c * c_k * d] (SDPA over ``_stack_shifted_values``) -> [B, H, N, d]."""
     B, H, N, _ = out.shape
     _, c_in, c_q, c_k = kernel.shape
     G = H // c_in
     r = out.view(B, G, c_in, N, -1)  # [B, G, e, N, o*b*d]
-    rs = _shifts(r, range(-q_pad[0], c_q - q_pad[0]))  # [B, G, e, a, N, o*b*d]
+    rs = _shifts(r, list(range(-q_pad[0], c_q - q_pad[0])))  # [B, G, e, a, N, o*b*d]
     rs = rs.view(B, G, c_in, c_q, N, c_in, c_k, -1)
     w = kernel.to(out.dtype).view(G, c_in, c_in, c_q, c_k)  # [group, out, in, a, b]
     return torch.einsum("goeab,zgeanobd->zgond", w, rs).reshape(B, H, N, -1)
@@ -177,10 +183,11 @@ class MultiTokenAttention(HeadAttention):
     def stage_kernel(self, stage: str) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]] | None:
         """The convolution applied at ``stage`` ("pre"/"post" softmax): kernel [H, c_in, c_q, c_k]
         (c_in heads of the group read per output head) with its (query, key) zero padding, or None."""
-        if self.kq_stage == stage:
-            return self.kq_kernel, self.q_pad, self.k_pad
-        if self.head_stage == stage:
-            return self.head_mix, (0, 0), (0, 0)
+        kq_kernel, head_mix = self.kq_kernel, self.head_mix
+        if self.kq_stage == stage and kq_kernel is not None:
+            return kq_kernel, self.q_pad, self.k_pad
+        if self.head_stage == stage and head_mix is not None:
+            return head_mix, (0, 0), (0, 0)
         return None
 
     def _mix(self, a: torch.Tensor, stage: str) -> torch.Tensor:
@@ -198,7 +205,7 @@ class MultiTokenAttention(HeadAttention):
         """Reference path. q: [B, H, N, d], k: [B, H_kv, M, d] -> weights [B, H, N, M]."""
         if is_causal and not self.causal:
             raise ValueError("is_causal=True needs an mta layer built with causal=True (its kernels are past-only)")
-        scores = dot_scores(q, k, self.scale)
+        scores = dot_scores(q, k, self.scale, self.num_heads // self.num_kv_heads)
         mask = additive_mask(attn_mask, self.causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
         keep = None if mask is None else torch.isfinite(mask)
         if keep is not None:
@@ -207,7 +214,7 @@ class MultiTokenAttention(HeadAttention):
         if mask is not None:
             scores = scores + mask
         weights = scores.softmax(dim=-1)
-        if "post" in (self.kq_stage, self.head_stage):
+        if self.kq_stage == "post" or self.head_stage == "post":
             weights = self._mix(weights, "post")
             if keep is not None:
                 weights = weights.masked_fill(~keep, 0.0)
@@ -227,9 +234,10 @@ class MultiTokenAttention(HeadAttention):
             out = self.factorized_heads(q, k, v)
         else:
             weights = self.attn_drop(self.attention_weights(q, k, attn_mask, is_causal))
-            out = weights @ repeat_kv(v, q.shape[1]).to(weights.dtype)
-        if self.head_norm is not None:
-            out = self.head_norm(out) * self.head_scale
+            out = weights @ expand_kv_groups(v, self.num_heads // self.num_kv_heads).to(weights.dtype)
+        head_norm = self.head_norm
+        if head_norm is not None:
+            out = head_norm(out) * self.head_scale
         return out
 
     def factorized_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -241,7 +249,8 @@ class MultiTokenAttention(HeadAttention):
         q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d] (before the head norm).
         """
         H = self.num_heads
-        k, v = repeat_kv(k, H), repeat_kv(v, H)
+        groups = H // self.num_kv_heads
+        k, v = expand_kv_groups(k, groups), expand_kv_groups(v, groups)
         pre, post = self.stage_kernel("pre"), self.stage_kernel("post")
         if pre is not None:
             q, k = _fold_kernel_into_qk(q, k, *pre)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask, dot_scores, repeat_kv
+from .scores import additive_mask, dot_scores, expand_kv_groups
 
 NORMS = ("l1", "seqlen", "softplus")
 
@@ -37,7 +37,7 @@ class ReLUAttention(HeadAttention):
         self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """q: [B, H, N, d], k: [B, H_kv, M, d] -> weights [B, H, N, M] (non-negative)."""
-        scores = dot_scores(q, k, self.scale)
+        scores = dot_scores(q, k, self.scale, self.num_heads // self.num_kv_heads)
         mask = additive_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
         if mask is not None:
             scores = scores + mask
@@ -65,7 +65,7 @@ class ReLUAttention(HeadAttention):
     ) -> torch.Tensor:
         """q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
         weights = self.attn_drop(self.attention_weights(q, k, attn_mask, is_causal))
-        return weights @ repeat_kv(v, q.shape[1]).to(weights.dtype)
+        return weights @ expand_kv_groups(v, self.num_heads // self.num_kv_heads).to(weights.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, norm={self.norm_kind}"

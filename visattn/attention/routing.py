@@ -11,8 +11,6 @@ about 1 at initialisation. A layer with ``routed_topk=0`` is dense: every head o
 per-token weights (softmax over heads, times H).
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -62,7 +60,14 @@ class HeadRouter(nn.Module):
             straight-through gradients to the soft scores backward).
 
     Parameter names: ``routed`` (the release's ``wg``), ``mix`` (``wg_0``), ``shared`` (``wg_1``).
+    Scriptable with ``torch.jit.script`` (the attributes set by forward are declared below).
     """
+
+    # Set by forward, read by visattn.aux_loss / attention_stats; per instance, never shared.
+    # Evaluated annotations (no ``from __future__ import annotations`` here): TorchScript reads them.
+    aux_loss: torch.Tensor | None
+    head_load: torch.Tensor | None
+    __jit_unused_properties__ = ["active_heads"]
 
     def __init__(
         self,
@@ -104,9 +109,9 @@ class HeadRouter(nn.Module):
         self.routed = nn.Linear(dim, self.pool, bias=False, **dd) if linear and self.pool > 0 else None
         self.mix = nn.Linear(dim, 2, bias=False, **dd) if self.two_stage else None
         self.shared = nn.Linear(dim, shared_heads, bias=False, **dd) if linear and shared_heads > 1 else None
-        # Set by forward, read by visattn.aux_loss / attention_stats; per instance, never shared.
-        self.aux_loss: torch.Tensor | None = None
-        self.head_load: torch.Tensor | None = None
+        self.eps = torch.finfo(torch.float32).eps  # floor of the renormalisation (probs are float32)
+        self.aux_loss = None
+        self.head_load = None
 
     @property
     def active_heads(self) -> int:
@@ -120,25 +125,27 @@ class HeadRouter(nn.Module):
 
     def _shared_gates(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, shared_heads]: softmax(W_s x) * hs, or 1 for a single shared head."""
-        if self.shared is None:
-            return x.new_ones(*x.shape[:2], self.shared_heads)
-        soft = F.softmax(self.shared(x).float(), dim=-1) * self.shared_heads
+        shared = self.shared
+        if shared is None:
+            return x.new_ones((x.shape[0], x.shape[1], self.shared_heads))
+        soft = F.softmax(shared(x).float(), dim=-1) * self.shared_heads
         if self.gate_mode == "binary_ste":
             return 1.0 + (soft - soft.detach())  # exactly 1 forward
         return soft
 
     def _routed_gates(self, x: torch.Tensor, q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routed pool gates [B, N, E] and the boolean selection [B, N, E]."""
-        if self.router_kind == "linear":
-            scores = self.routed(x).float()
+        routed = self.routed
+        if routed is not None:  # the linear router
+            scores = routed(x).float()
         else:
             if q is None:
                 raise ValueError("router='l2norm' needs the queries: call forward(x, q)")
-            scores = q[:, self.shared_heads :].float().norm(dim=-1).transpose(1, 2)  # [B, N, E]
+            scores = torch.linalg.vector_norm(q[:, self.shared_heads :].float(), dim=-1).transpose(1, 2)  # [B, N, E]
         probs = F.softmax(scores, dim=-1)
-        top = probs.topk(self.routed_topk, dim=-1).indices
+        _, top = probs.topk(self.routed_topk, dim=-1)
         selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, True)
-        if self.training and self.routed is not None:
+        if self.training and routed is not None:
             # Released code's scale: E * sum_i f_i P_i over all B*N tokens (beta = 0.01 tuned for it).
             f = selected.float().mean(dim=(0, 1))
             p = probs.mean(dim=(0, 1))
@@ -147,7 +154,7 @@ class HeadRouter(nn.Module):
             hard = selected.to(probs.dtype)
             return hard + (probs - probs.detach()), selected  # exactly 0/1 forward
         kept = probs * selected
-        denom = kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
+        denom = kept.sum(dim=-1, keepdim=True).clamp_min(self.eps)
         return kept / denom * self.routed_topk, selected
 
     def forward(self, x: torch.Tensor, q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,19 +166,20 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         if self.routed_topk == 0:  # dense: soft weights over every head
             gates = self._shared_gates(x)
-            selected = torch.ones(B, N, self.num_heads, dtype=torch.bool, device=x.device)
+            selected = x.new_ones((B, N, self.num_heads), dtype=torch.bool)
         else:
             routed, selected = self._routed_gates(x, q)
             if self.shared_heads == 0:
                 gates = routed
             else:
                 shared = self._shared_gates(x).to(routed.dtype)
-                if self.mix is not None:
-                    alpha = F.softmax(self.mix(x).float(), dim=-1) * 2
+                mix = self.mix
+                if mix is not None:
+                    alpha = F.softmax(mix(x).float(), dim=-1) * 2
                     shared = shared * alpha[..., :1]
                     routed = routed * alpha[..., 1:]
                 gates = torch.cat([shared, routed], dim=-1)
-            always = torch.ones(B, N, self.shared_heads, dtype=torch.bool, device=x.device)
+            always = x.new_ones((B, N, self.shared_heads), dtype=torch.bool)
             selected = torch.cat([always, selected], dim=-1)
         self.head_load = selected.float().mean(dim=1)
         return gates, selected

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import HeadAttention
-from .scores import repeat_kv
+from .scores import expand_kv_groups
 
 
 def sparse_moh_supported(attn: HeadAttention) -> str | None:
@@ -256,7 +256,7 @@ def _shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tup
     """k/v: [B, H_kv, N, d] -> the keys and values of query heads 0..shared-1, [B, shared, N, d] each
     (only the key/value heads those read are repeated)."""
     kv_heads = -(-shared // group)
-    return tuple(repeat_kv(t[:, :kv_heads], kv_heads * group)[:, :shared] for t in (k, v))
+    return tuple(expand_kv_groups(t[:, :kv_heads], group)[:, :shared] for t in (k, v))
 
 
 def _attend_grouped(
