@@ -126,10 +126,7 @@ def test_every_variant_trains_in_a_vit_with_a_gradient_for_every_parameter(name)
 
 
 @pytest.mark.parametrize("name", visattn.list_attentions())
-def test_every_variant_trains_in_a_dit_with_a_gradient_for_every_parameter(name, request):
-    if name == "cosine":
-        reason = "DiT does not give cosine its patch grid yet (visattn/models/dit.py): cpb.* get no gradient"
-        request.node.add_marker(pytest.mark.xfail(reason=reason, strict=False))
+def test_every_variant_trains_in_a_dit_with_a_gradient_for_every_parameter(name):
     torch.manual_seed(0)
     model = DiT(input_size=8, patch_size=2, in_channels=1, hidden_size=64, depth=2, num_heads=8,
                 num_classes=3, learn_sigma=False, attn=_routed(name)).train()

@@ -202,6 +202,11 @@ class DiT(nn.Module):
             for i in range(depth)
         )
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        # Attention with a grid position bias (cosine) sees the patch grid; DiT has no prefix tokens.
+        grid = input_size // patch_size
+        for block in self.blocks:
+            if getattr(block.attn, "cpb", None) is not None:
+                block.attn.set_grid_size((grid, grid))
         self.initialize_weights()
 
     @torch.no_grad()
