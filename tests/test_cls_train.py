@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import load_file
 
+from visattn.engine.checkpoints import latest_checkpoint
 from visattn.engine.cls_setup import build_cls_model, load_model_weights
 from visattn.engine.cls_trainer import run_cls
 
@@ -48,9 +49,11 @@ def test_run_writes_results_metrics_checkpoints(full_run):
     assert (load["layers"], load["heads"], len(load["classes"])) == (2, [4, 4], 10)
     per_token = np.asarray(load["load"]).sum(axis=-1)  # heads used per token, averaged per class
     np.testing.assert_allclose(per_token, 3.0, atol=1e-5)
-    assert {"last.safetensors", "last_state.pt", "best.safetensors"} <= {p.name for p in run_dir.iterdir()}
-    state = torch.load(run_dir / "last_state.pt", weights_only=True)
-    assert state["epoch"] == 2 and len(state["rng"]) == 1
+    assert "best.safetensors" in {p.name for p in run_dir.iterdir()}
+    (ckpt,) = (run_dir / "checkpoints").iterdir()  # one complete unit, older ones removed
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.safetensors", "state.pt"]
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["epoch"] == 2 and len(state["rng"]) == 1 and ckpt.name == f"step-{state['step']:09d}"
 
 
 def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
@@ -60,13 +63,13 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     resumed = run_cls(cfg_of("resume=true"), tmp_path)
     for key in ("top1", "top5", "top1_best", "train_steps"):
         assert resumed[key] == results[key], key
-    a, b = load_file(run_dir / "last.safetensors"), load_file(tmp_path / "last.safetensors")
+    a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
 
 
 def test_resume_without_checkpoint_says_what_is_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="last.safetensors.*resume=RUN_DIR"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*resume=RUN_DIR"):
         run_cls(cfg_of("resume=true"), tmp_path)
 
 

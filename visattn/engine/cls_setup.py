@@ -90,8 +90,8 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
         raise ValueError("mode=eval needs ckpt=PATH (a weight file, or a run dir holding best.safetensors)")
     _check_path("ckpt", cfg.ckpt, "give a weight file (.safetensors/.pth) or a run dir")
     _check_path("model.init_from", cfg.model.init_from, "give a weight file (.safetensors/.pth) of a trained model")
-    if not isinstance(cfg.resume, bool):
-        _check_path("resume", cfg.resume, "give true (this run dir) or the run dir to continue")
+    if not isinstance(cfg.resume, bool) and cfg.resume != "auto":
+        _check_path("resume", cfg.resume, "give auto, true (this run dir), false or the run dir to continue")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={cfg.device} is not known; use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():

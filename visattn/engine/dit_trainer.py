@@ -11,6 +11,7 @@ latent cache (``data.latents``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
@@ -28,11 +29,29 @@ from visattn.data.latents import PixelData, pad_to, read_latent_cache
 from visattn.data.loaders import train_sampler
 from visattn.data.sources import class_names, load_arrays
 from visattn.diffusion import GaussianDiffusion, conditional_fn
+from visattn.engine.checkpoints import (
+    CHECKPOINT_DIR,
+    EMA_WEIGHTS,
+    MODEL_WEIGHTS,
+    Checkpoint,
+    latest_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from visattn.engine.cls_eval import HeadLoadMeter
-from visattn.engine.distributed import DistInfo, all_gather_object, all_reduce_sum, barrier, broadcast_object
+from visattn.engine.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    broadcast_module,
+    broadcast_object,
+)
 from visattn.engine.dit_sampling import EMBEDDED_DATASETS, build_scorer, generate_all, save_samples
 from visattn.engine.ema import ModelEMA, unwrap_model
-from visattn.engine.launch import seed_everything
+from visattn.engine.guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
+from visattn.engine.launch import launched, seed_everything
+from visattn.engine.preempt import Preempted, StopSignal
 from visattn.engine.results import (
     Throughput,
     count_params,
@@ -42,21 +61,12 @@ from visattn.engine.results import (
     write_results,
 )
 from visattn.engine.runlog import MetricsLogger
+from visattn.engine.step import StepGate, clip_and_norm
 from visattn.models.dit import DiT, create_dit
-from visattn.utils.checkpoint import (
-    load_train_state,
-    load_weights,
-    rng_state,
-    save_train_state,
-    save_weights,
-    set_rng_state,
-)
+from visattn.utils.checkpoint import load_weights, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.pt"
-EMA_WEIGHTS = "ema.safetensors"
 HEAD_LOAD_FILE = "head_load.json"
 
 
@@ -203,39 +213,39 @@ class EpochBatches:
             self.taken = 0
 
 
-def checkpoint_path(run_dir: Path) -> Path:
-    return run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
-
-
-def save_checkpoint(
+def save_training_checkpoint(
     run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
-    extra: Mapping[str, Any] | None = None,
+    guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Model, EMA, optimizer, step, data position, every rank's RNG and ``extra`` (e.g. fid_step0),
-    atomically (rank 0 writes)."""
+    """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
+    position, every rank's RNG, the guard's counts and ``extra``, e.g. fid_step0); rank 0 writes.
+    Non-finite weights are refused on every rank before anything is written."""
+    weights = {MODEL_WEIGHTS: unwrap_model(model).state_dict(), EMA_WEIGHTS: ema.state_dict()}
+    for name, tensors in weights.items():
+        require_finite(tensors, name, step)
     rngs = all_gather_object(rng_state())
     if dist.is_main:
-        save_train_state(checkpoint_path(run_dir), {
-            "model": unwrap_model(model).state_dict(),
-            "model_ema": ema.state_dict(),
+        save_checkpoint(run_dir, step, weights, {
             "optimizer": opt.state_dict(),
             "step": step,
             "data_position": [batches.epoch, batches.taken],
             "rng": rngs,
+            "guard": guard.state_dict(),
             "extra": dict(extra or {}),
         })
-        save_weights(run_dir / CHECKPOINT_DIR / EMA_WEIGHTS, ema.state_dict())
     barrier()
 
 
-def restore_checkpoint(
-    run_dir: Path, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo
+def restore_training_checkpoint(
+    found: Checkpoint, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo,
+    guard: NonFiniteGuard,
 ) -> tuple[int, dict[str, Any]]:
-    """Load what ``save_checkpoint`` wrote; returns (step, extra)."""
-    state = load_train_state(checkpoint_path(run_dir))
-    unwrap_model(model).load_state_dict(state["model"])
-    ema.load_state_dict(state["model_ema"])
+    """Load what ``save_training_checkpoint`` wrote; returns (step, extra)."""
+    state = found.state()
+    unwrap_model(model).load_state_dict(found.weights(MODEL_WEIGHTS))
+    ema.load_state_dict(found.weights(EMA_WEIGHTS))
     opt.load_state_dict(state["optimizer"])
+    guard.load_state_dict(state.get("guard"))
     batches.epoch, batches.taken = (int(v) for v in state["data_position"])
     rngs = state["rng"]
     if len(rngs) == dist.world_size:
@@ -243,6 +253,17 @@ def restore_checkpoint(
     else:
         log.warning("checkpoint has RNG states of %d ranks, this run has %d: RNG not restored", len(rngs), dist.world_size)
     return int(state["step"]), dict(state.get("extra", {}))
+
+
+def checkpoint_to_resume(resume: Any, run_dir: Path) -> Checkpoint | None:
+    """``resume``: false -> None; auto -> the run dir's newest checkpoint if any; true -> it must exist."""
+    if resume is False or resume is None:
+        return None
+    found = latest_checkpoint(run_dir)
+    if found is None and resume != "auto":
+        raise FileNotFoundError(f"resume={resume}: {run_dir / CHECKPOINT_DIR} holds no complete checkpoint; use "
+                                "resume=auto to start afresh when there is none, or hydra.run.dir=RUN_DIR of a run")
+    return found
 
 
 def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[str, Any]:
@@ -264,12 +285,15 @@ def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[s
     }
 
 
-def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal) -> dict[str, Any]:
     tcfg = cfg["train"]
     seed = int(cfg["seed"])
-    seed_everything(seed * 1000 + dist.rank)  # label dropout, flips, t and noise differ per rank
+    seed_everything(seed * 1000)
     data = build_train_data(cfg)
     model = build_model(cfg).to(dist.device)
+    broadcast_module(model)  # every rank starts from rank 0's weights, before the EMA copies them
+    if dist.rank:
+        seed_everything(seed * 1000 + dist.rank)  # label dropout, flips, t and noise differ per rank
     if tuple(data.sample_shape) != (model.in_channels, model.input_size, model.input_size):
         raise ValueError(f"data samples are {tuple(data.sample_shape)} but the model takes "
                          f"{(model.in_channels, model.input_size, model.input_size)}; check data/vae settings")
@@ -284,15 +308,15 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
     log.info("%s: %.2fM parameters, %d/%d heads active, %d training images",
              cfg["dit"]["preset"], info["params"] / 1e6, *info["active_heads"], len(data))
 
+    guard = NonFiniteGuard(int(tcfg["max_nonfinite_steps"]),
+                           cause_hint(float(tcfg["lr"]), str(tcfg["amp"]), cfg["data"]["name"]))
     step = 0
     results: dict[str, Any] = {}
-    if cfg.get("resume") and checkpoint_path(run_dir).is_file():
-        step, extra = restore_checkpoint(run_dir, model, ema, opt, batches, dist)
+    found = checkpoint_to_resume(cfg.get("resume"), run_dir)
+    if found is not None:
+        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard)
         results.update(extra)
-        log.info("resumed from %s at step %d", checkpoint_path(run_dir), step)
-    elif cfg.get("resume"):
-        # A requeued job resumes with the same command, so a first start with resume=true is allowed.
-        log.warning("resume=true but %s does not exist: starting from step 0", checkpoint_path(run_dir))
+        log.info("resumed from %s at step %d", found.path, step)
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
     metrics.drop_after(step)
 
@@ -309,6 +333,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
     total_steps = int(tcfg["steps"])
     aux_weight = float(tcfg["aux_loss_weight"])
     autocast = autocast_context(cfg, dist.device)
+    gate = StepGate(guard, stop, dist.device)
     timer = Throughput(dist.device)
     stream = iter(batches)
     running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
@@ -326,29 +351,37 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, An
             loss = diffusion_loss + aux_weight * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if tcfg.get("grad_clip"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(tcfg["grad_clip"]))
-        opt.step()
-        ema.update(model)
+        norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
+        apply, stop_now = gate.decide(step, loss, norm)
+        if apply:
+            opt.step()
+            ema.update(model)
         timer.stop(x.shape[0] * dist.world_size)
         step += 1
-        running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(), torch.ones((), device=dist.device)])
+        if apply:
+            running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
+                                    torch.ones((), device=dist.device)])
         bar.update(1)
         if step % int(tcfg["log_every"]) == 0 or step == total_steps:
             loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
-            loss_mean, aux_mean = loss_mean / count, aux_mean / count
+            loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
             running.zero_()
             row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
-                   "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate}
+                   "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
             metrics.log(row)
             bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
-        if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps:
-            save_checkpoint(run_dir, model, ema, opt, step, batches, dist, extra=results)
+        if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
+            save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results)
+        if stop_now:
+            bar.close()
+            metrics.close()
+            raise stop.preempted(step)
     bar.close()
     metrics.close()
     train_seconds = time.perf_counter() - t_start
     results.update(info)
-    results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds})
+    results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds,
+                    "skipped_steps": guard.skipped})
     active, total = info["active_heads"]
     if active < total:  # as in classification: only models that select heads per token have a load
         load = measure_head_load(ema.module, data, diffusion, cfg, dist)
@@ -418,9 +451,15 @@ def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
     """The model of ``ckpt`` (its EMA weights when the file holds both), strictly."""
     ckpt = cfg.get("ckpt")
     if not ckpt:
-        raise ValueError("mode=sample / mode=eval need ckpt=PATH (a run's checkpoints/last.pt or ema.safetensors)")
+        raise ValueError("mode=sample / mode=eval need ckpt=PATH (a run dir, a checkpoint folder "
+                         "RUN_DIR/checkpoints/step-N, an ema.safetensors or an original DiT .pt)")
     model = build_model(cfg)
-    state = load_weights(ckpt, prefer_ema=True)
+    if Path(ckpt).is_dir():  # a run dir or a checkpoint folder: its EMA weights
+        found = resolve_checkpoint(ckpt)
+        log.info("sampling with the EMA weights of %s (step %d)", found.path, found.step)
+        state = found.weights(EMA_WEIGHTS)
+    else:
+        state = load_weights(ckpt, prefer_ema=True)
     if any(".wg" in k for k in state):
         state = visattn.convert_moh_state_dict(state)
     model.load_state_dict(state, strict=True)
@@ -505,16 +544,30 @@ class _FirstItems:
 MODES = {"train": train, "sample": sample_mode, "eval": eval_mode, "cache_latents": cache_latents_mode}
 
 
-def run(cfg: Mapping[str, Any], dist: DistInfo, run_dir: str | Path) -> dict[str, Any]:
-    """Run ``cfg.mode``; rank 0 writes results.json (train / eval) and returns the results."""
+def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    """Run ``cfg.mode`` through the launch layer; rank 0 writes results.json (train / eval) and the
+    results are returned. A preempted training raises ``Preempted`` and a diverged one
+    ``NonFiniteError``, after writing results.json with ``completed: false`` and why."""
     mode = cfg["mode"]
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not known; use one of {tuple(MODES)}")
-    run_dir = Path(run_dir)
-    start = time.perf_counter()
-    results = MODES[mode](cfg, dist, run_dir)
-    if dist.is_main and mode in ("train", "eval"):
-        results.update({"wall_time_s": time.perf_counter() - start, "peak_memory_mb": peak_memory_mb(dist.device),
-                        "config": dict(cfg)})
-        write_results(run_dir, results)
-    return results
+    with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir) as ctx:
+        dist, run_dir = ctx.dist, ctx.run_dir
+        start = time.perf_counter()
+
+        def finish(results: dict[str, Any]) -> dict[str, Any]:
+            if dist.is_main and mode in ("train", "eval"):
+                results.update({"wall_time_s": time.perf_counter() - start,
+                                "peak_memory_mb": peak_memory_mb(dist.device), "config": dict(cfg)})
+                write_results(run_dir, results)
+            return results
+
+        try:
+            results = MODES[mode](cfg, dist, run_dir, ctx.stop) if mode == "train" else MODES[mode](cfg, dist, run_dir)
+        except Preempted as stopped:
+            finish({"task": "dit", "completed": False, "preempted": True, "train_steps": stopped.step})
+            raise
+        except NonFiniteError as err:
+            finish({"task": "dit", "completed": False, "failure": err.failure})
+            raise
+        return finish({**results, "completed": True} if mode == "train" else results)
