@@ -249,3 +249,30 @@ def test_default_run_dirs_differ_for_runs_started_in_the_same_second():
             cfg = compose(name, return_hydra_config=True)
         assert OmegaConf.to_container(cfg.hydra.run)["dir"].endswith("-${pid:}")
     assert OmegaConf.create({"d": "x-${pid:}"}).d == f"x-{os.getpid()}"
+
+
+def test_stop_signal_hands_submitits_requeue_signal_on_after_saving():
+    from visattn.engine.preempt import StopSignal, exit_preempted
+
+    requeued = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: requeued.append(signum))  # as submitit does
+    try:
+        with StopSignal() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.requested and not requeued  # nothing stops mid-step
+            stopped = stop.preempted(step=7)
+        with pytest.raises(SystemExit) as exited:
+            exit_preempted(stopped)
+        assert requeued == [signal.SIGUSR2] and exited.value.code == PREEMPTED_EXIT_CODE
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "4242"}))
+    with RunLock(tmp_path):
+        pass
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "999"}))
+    with pytest.raises(RunDirBusy, match="pid 1 on host node-a"):
+        RunLock(tmp_path).acquire()
