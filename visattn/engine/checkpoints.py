@@ -196,3 +196,17 @@ def remove_stale(run_dir: str | Path) -> list[Path]:
     if removed:
         log.info("removed %d leftovers of interrupted saves: %s", len(removed), ", ".join(p.name for p in removed))
     return removed
+
+
+def checkpoint_to_resume(resume: Any, run_dir: str | Path) -> Checkpoint | None:
+    """The checkpoint the ``resume`` setting asks for: false -> None (start afresh); auto -> the run
+    dir's newest complete checkpoint, or None; true -> that one, which must exist."""
+    if resume is False or resume is None:
+        return None
+    found = latest_checkpoint(run_dir)
+    if found is None and resume != "auto":
+        raise FileNotFoundError(
+            f"resume={resume}: {checkpoints_root(run_dir)} holds no complete checkpoint; resume in the run dir of "
+            "a run that saved one (resume=RUN_DIR, or hydra.run.dir=RUN_DIR resume=true), or use resume=auto"
+        )
+    return found

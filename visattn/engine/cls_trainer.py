@@ -8,7 +8,6 @@ see ``checkpoints``; every epoch, before evaluating, and on preemption mid-epoch
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -29,15 +28,15 @@ from visattn.data.loaders import build_loaders, build_mixup
 from visattn.data.sources import class_names
 from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
 
+from .amp import choose_amp
 from .checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
     Checkpoint,
-    checkpoints_root,
-    latest_checkpoint,
+    checkpoint_to_resume,
     save_checkpoint,
 )
-from .cls_eval import HeadLoadMeter, evaluate
+from .cls_eval import evaluate
 from .cls_setup import (
     BEST_WEIGHTS,
     attn_spec,
@@ -51,6 +50,7 @@ from .data_skip import skip_first_batches
 from .distributed import all_gather_object, all_reduce_sum, barrier
 from .ema import ModelEMA, unwrap_model
 from .guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
+from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
 from .results import Throughput, count_params, model_flops, peak_memory_mb, write_json, write_results
@@ -59,16 +59,6 @@ from .step import StepGate, clip_and_norm
 
 log = logging.getLogger(__name__)
 
-HEAD_LOAD_FILE = "head_load.json"
-
-
-def amp_dtype(setting: Any, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast: ``auto`` = on for CUDA devices that support bf16, off on CPU."""
-    if setting == "auto":
-        on = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    else:
-        on = bool(setting)
-    return torch.bfloat16 if on else None
 
 
 def task_criterion(mixup_on: bool, label_smoothing: float) -> nn.Module:
@@ -103,7 +93,8 @@ class ClsRun:
         self.device = dist_info.device
         self.run_dir = ctx.run_dir
         self.stop = ctx.stop
-        self.amp_dtype = amp_dtype(cfg.train.amp, self.device)
+        self.amp = choose_amp(cfg.train.amp, self.device)
+        self.amp_dtype = self.amp.dtype
         self.t0 = time.perf_counter()
 
         seed_everything(cfg.seed)  # same initial weights on every rank
@@ -125,7 +116,7 @@ class ClsRun:
         self.classes = _class_names(self.val_set) or class_names(cfg.data.name, cfg.data.num_classes)
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
+        return self.amp.autocast(self.device)
 
     # ---------------------------------------------------------------- evaluation
     def _evaluate(self, model: nn.Module, with_head_load: bool = False) -> tuple[dict[str, float], dict | None]:
@@ -178,7 +169,7 @@ class ClsRun:
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.train.tensorboard, enabled=dist.is_main)
 
         pos = _Position()
-        found = self._checkpoint_to_resume()
+        found = checkpoint_to_resume(self.cfg.resume, self.run_dir)
         if found is not None:
             pos = self._resume(found, optimizer, ema, guard)
             logger.drop_after(pos.step)
@@ -295,20 +286,6 @@ class ClsRun:
             save_checkpoint(self.run_dir, pos.step, weights, state)
         barrier()
 
-    def _checkpoint_to_resume(self) -> Checkpoint | None:
-        """The checkpoint ``cfg.resume`` asks for: false -> none; auto -> this run dir's newest, if
-        any; true / a run dir -> its newest, which must exist."""
-        resume = self.cfg.resume
-        if resume is False:
-            return None
-        found = latest_checkpoint(self.run_dir)
-        if found is None and resume != "auto":
-            raise FileNotFoundError(
-                f"resume={resume}: {checkpoints_root(self.run_dir)} holds no complete checkpoint; resume in the "
-                "run dir of a run that saved one (resume=RUN_DIR, or hydra.run.dir=RUN_DIR resume=true)"
-            )
-        return found
-
     def _resume(self, found: Checkpoint, optimizer, ema, guard: NonFiniteGuard) -> _Position:
         state = found.state()
         self.model.load_state_dict(found.weights(MODEL_WEIGHTS))
@@ -337,7 +314,7 @@ class ClsRun:
             "active_heads": [active, total], "active_ratio": active / max(total, 1),
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), "wall_time_s": time.perf_counter() - self.t0,
-            "run_dir": str(self.run_dir), "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
 
