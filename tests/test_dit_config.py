@@ -16,9 +16,10 @@ def dit_cfg(*overrides):
         return OmegaConf.to_container(compose("train_dit", overrides=list(overrides)), resolve=True)
 
 
-def test_defaults_validate():
+def test_defaults_validate_and_follow_dit():
     cfg = validate_dit_config(dit_cfg())
     assert cfg["train"]["amp"] == "auto"
+    assert cfg["train"]["batch_size"] == 256 and cfg["sample"]["guided_channels"] == 3  # DiT's global batch, sampler
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,8 @@ def test_defaults_validate():
         (["sample.cfg_scale=4", "dit.class_dropout_prob=0"], r"sample.cfg_scale=4 needs the null class"),
         (["sample.steps=ddim0"], r"sample.steps='ddim0'"),
         (["sample.sampler=euler"], r"sample.sampler='euler' is not known; use one of \('ddpm', 'ddim'\)"),
-        (["sample.guided_channels=5"], r"sample.guided_channels=5 must be null .* 1 channels"),
+        (["sample.guided_channels=0"], r"sample.guided_channels=0 must be null \(every channel\) or an integer"),
+        (["sample.cfg_scale=1.5"], r"sample.guided_channels=3 exceeds the model's 1 channels; set .*=null"),
         (["train.amp=fp16"], r"train.amp='fp16' is not known"),
         (["mode=eval"], r"mode=eval needs ckpt=PATH"),
         (["resume=maybe"], r"resume='maybe' must be auto, true or false"),

@@ -157,8 +157,11 @@ def _check_sampling(cfg: dict[str, Any], in_channels: int, scoring: bool) -> Non
                "needs the null class, which a model trained with dit.class_dropout_prob=0 lacks; use cfg_scale=1")
     guided = sample.get("guided_channels")
     if guided is not None:
-        _check(isinstance(guided, int) and 1 <= guided <= in_channels, "sample.guided_channels", guided,
-               f"must be null (every channel) or between 1 and the model's {in_channels} channels")
+        _check(isinstance(guided, int) and guided >= 1, "sample.guided_channels", guided,
+               "must be null (every channel) or an integer >= 1 (DiT's sampler: 3)")
+        if sample["cfg_scale"] != 1.0:
+            _check(guided <= in_channels, "sample.guided_channels", guided,
+                   f"exceeds the model's {in_channels} channels; set sample.guided_channels=null to guide them all")
     if scoring:
         need = min_eval_samples()
         _count("eval.num_samples", cfg["eval"]["num_samples"], minimum=need,
