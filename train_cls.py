@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from visattn.engine.cls_trainer import run_cls
 from visattn.engine.launch import export_slurm_env, launched_rank, register_resolvers, worker_rank_overrides
 from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.runlock import RunDirBusy, refuse_busy_run_dir
 from visattn.utils.allocator import tune_glibc_malloc
 
 
@@ -41,5 +42,9 @@ if __name__ == "__main__":
     tune_glibc_malloc()
     export_slurm_env()
     register_resolvers()
+    try:
+        refuse_busy_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ into another live run's dir
+    except RunDirBusy as busy:
+        sys.exit(f"error: {busy}")
     sys.argv += worker_rank_overrides(sys.argv)
     main()

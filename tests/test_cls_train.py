@@ -78,6 +78,8 @@ def test_eval_of_saved_checkpoint_reproduces_its_accuracy(full_run, tmp_path):
     evaluated = run_cls(cfg_of("mode=eval", f"ckpt={run_dir}"), tmp_path)  # a run dir: its best.safetensors
     assert evaluated["top1"] == results["top1_best"]
     assert json.loads((tmp_path / "results.json").read_text())["ckpt"] == str(run_dir)
+    last = run_cls(cfg_of("mode=eval", f"ckpt={latest_checkpoint(run_dir).path}"), tmp_path / "last")
+    assert last["top1"] == results["top1"]  # a checkpoint folder: its model.safetensors (the last epoch)
 
 
 def test_timm_weight_file_loads_into_mha_and_moh(tmp_path):

@@ -231,6 +231,10 @@ def test_a_second_run_into_a_live_run_dir_is_refused(tmp_path):
         with pytest.raises(RunDirBusy, match=rf"in use by pid {holder.pid} on host .*delete .*{LOCK_FILE}"):
             run_cls(cls_cfg(), tmp_path)
         assert not (tmp_path / "checkpoints").exists()
+        refused = subprocess.run(script("train_dit.py", tmp_path), env=env(), capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode == 1 and f"in use by pid {holder.pid}" in refused.stderr
+        assert not (tmp_path / ".hydra").exists()  # refused before Hydra wrote over the live run's config
     finally:
         holder.kill()
         holder.wait()

@@ -20,6 +20,7 @@ from visattn.data.datasets import check_data_config
 from visattn.utils.checkpoint import load_weights
 
 from .amp import normalize_amp
+from .checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,10 @@ def log_head_budget(model: nn.Module) -> None:
 
 
 def resolve_weight_path(path: str | Path) -> Path:
-    """A weight file, or a run dir (its best.safetensors)."""
+    """A weight file, a checkpoint folder (its model.safetensors) or a run dir (its best.safetensors)."""
     path = Path(path)
+    if (path / MANIFEST).is_file():
+        return verify_checkpoint(path).path / MODEL_WEIGHTS
     if path.is_dir():
         path = path / BEST_WEIGHTS
         if not path.is_file():

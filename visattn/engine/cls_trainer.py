@@ -47,7 +47,7 @@ from .cls_setup import (
     validate_cls_config,
 )
 from .data_skip import skip_first_batches
-from .distributed import all_gather_object, all_reduce_sum, barrier
+from .distributed import all_gather_object, all_reduce_sum, barrier, broadcast_module
 from .ema import ModelEMA, unwrap_model
 from .guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
 from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
@@ -103,6 +103,7 @@ class ClsRun:
         if cfg.model.init_from is not None and cfg.mode == "train":
             load_model_weights(self.model, cfg.model.init_from, new_head_ok=True)
         self.model.to(self.device)
+        broadcast_module(self.model)  # rank 0's weights everywhere, before any EMA copies them
         active, total = active_heads(self.model)
         self.routed = active < total
         seed_everything(cfg.seed + dist_info.rank)  # augmentation differs per rank

@@ -52,6 +52,23 @@ def _is_stale(other: dict[str, Any], me: dict[str, Any]) -> bool:
     return other.get("host") == me["host"] and not _pid_alive(int(other.get("pid", -1)))
 
 
+def busy_message(path: Path, other: dict[str, Any]) -> str:
+    return (f"run dir {path.parent} is in use by pid {other.get('pid')} on host {other.get('host')} "
+            f"(started {other.get('started')}, command {other.get('argv')}); choose another run dir "
+            f"(hydra.run.dir=...), wait for that run to end, or delete {path} if that process is certainly dead")
+
+
+def refuse_busy_run_dir(argv: list[str]) -> None:
+    """Before Hydra writes ``.hydra/`` into an explicit ``hydra.run.dir=DIR``: raise ``RunDirBusy``
+    when a live run holds DIR, so a refused run does not overwrite that run's saved config."""
+    for arg in argv:
+        if arg.startswith("hydra.run.dir="):
+            lock = RunLock(arg.split("=", 1)[1])
+            holder = lock.live_holder()
+            if holder is not None:
+                raise RunDirBusy(busy_message(lock.path, holder))
+
+
 class RunLock:
     """``with RunLock(run_dir):`` holds the run dir; raises ``RunDirBusy`` when another run does."""
 
@@ -66,20 +83,10 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             except FileExistsError:
-                other = self._read()
-                if other is None:  # being written this instant, or left empty by a crash: look again
-                    time.sleep(0.2)
-                    other = self._read()
-                if other is None and self._age() > EMPTY_LOCK_STALE_S:
-                    other = {"host": self.me["host"], "pid": -1}  # an unreadable, old lock: nobody holds it
-                other = other or {}
-                if not _is_stale(other, self.me):
-                    raise RunDirBusy(
-                        f"run dir {self.path.parent} is in use by pid {other.get('pid')} on host "
-                        f"{other.get('host')} (started {other.get('started')}, command {other.get('argv')}); "
-                        f"choose another run dir (hydra.run.dir=...), wait for that run to end, or delete "
-                        f"{self.path} if that process is certainly dead"
-                    ) from None
+                other = self.live_holder()
+                if other is not None:
+                    raise RunDirBusy(busy_message(self.path, other)) from None
+                other = self._read() or {}
                 log.warning("taking over %s from pid %s on %s, which is no longer running",
                             self.path, other.get("pid"), other.get("host"))
                 self.path.unlink(missing_ok=True)
@@ -89,6 +96,20 @@ class RunLock:
             self.held = True
             return
         raise RunDirBusy(f"could not take {self.path}: other processes keep creating it")
+
+    def live_holder(self) -> dict[str, Any] | None:
+        """What the lock file says of its holder when that process may still run; None when the
+        lock is free or stale (its holder is gone)."""
+        if not self.path.exists():
+            return None
+        other = self._read()
+        if other is None:  # being written this instant, or left empty by a crash: look again
+            time.sleep(0.2)
+            other = self._read()
+        if other is None and self._age() > EMPTY_LOCK_STALE_S:
+            return None  # an unreadable, old lock: nobody holds it
+        other = other or {}
+        return None if _is_stale(other, self.me) else other
 
     def _age(self) -> float:
         try:
