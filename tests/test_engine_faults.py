@@ -262,12 +262,15 @@ def test_stop_signal_hands_submitits_requeue_signal_on_after_saving():
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: requeued.append(signum))  # as submitit does
     try:
         with StopSignal() as stop:
-            os.kill(os.getpid(), signal.SIGUSR2)
-            assert stop.requested and not requeued  # nothing stops mid-step
-            stopped = stop.preempted(step=7)
-        with pytest.raises(SystemExit) as exited:
-            exit_preempted(stopped)
-        assert requeued == [signal.SIGUSR2] and exited.value.code == PREEMPTED_EXIT_CODE
+            with stop.deferred():  # the training loop
+                os.kill(os.getpid(), signal.SIGUSR2)
+                assert stop.requested and not requeued  # nothing stops mid-step
+                stopped = stop.preempted(step=7)
+            with pytest.raises(SystemExit) as exited:
+                exit_preempted(stopped)
+            assert requeued == [signal.SIGUSR2] and exited.value.code == PREEMPTED_EXIT_CODE
+            os.kill(os.getpid(), signal.SIGUSR2)  # outside the loop (e.g. the final evaluation): at once
+            assert requeued == [signal.SIGUSR2] * 2
     finally:
         signal.signal(signal.SIGUSR2, previous)
 

@@ -140,7 +140,8 @@ class ClsRun:
         """Train (resuming per ``cfg.resume``); results.json records a finished run, a preempted one
         (``completed: false, preempted: true``) or a failed one (``completed: false, failure``)."""
         try:
-            return self._train()
+            with self.stop.deferred():  # a stop signal is acted on after the step it arrives in
+                return self._train()
         except NonFiniteError as err:
             if self.dist.is_main:
                 write_results(self.run_dir, {**self._summary(), "completed": False, "failure": err.failure})

@@ -152,43 +152,44 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
     t_start = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
-    while step < total_steps:
-        timer.start()
-        x, y = data.batch(next(stream))
-        x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
-        t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
-        with autocast:
-            terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
-            diffusion_loss = terms["loss"].mean()
-            aux = visattn.aux_loss(model)
-            loss = diffusion_loss + aux_weight * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
-        apply, stop_now = gate.decide(step, loss, norm)
-        if apply:
-            opt.step()
-            ema.update(model)
-        timer.stop(x.shape[0] * dist.world_size)
-        step += 1
-        if apply:
-            running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
-                                    torch.ones((), device=dist.device)])
-        bar.update(1)
-        if step % int(tcfg["log_every"]) == 0 or step == total_steps:
-            loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
-            loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
-            running.zero_()
-            row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
-                   "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
-            metrics.log(row)
-            bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
-        if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
-            save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results)
-        if stop_now:
-            bar.close()
-            metrics.close()
-            raise stop.preempted(step)
+    with stop.deferred():  # a stop signal is acted on after the step it arrives in
+        while step < total_steps:
+            timer.start()
+            x, y = data.batch(next(stream))
+            x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
+            t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
+            with autocast:
+                terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
+                diffusion_loss = terms["loss"].mean()
+                aux = visattn.aux_loss(model)
+                loss = diffusion_loss + aux_weight * aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
+            apply, stop_now = gate.decide(step, loss, norm)
+            if apply:
+                opt.step()
+                ema.update(model)
+            timer.stop(x.shape[0] * dist.world_size)
+            step += 1
+            if apply:
+                running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
+                                        torch.ones((), device=dist.device)])
+            bar.update(1)
+            if step % int(tcfg["log_every"]) == 0 or step == total_steps:
+                loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
+                loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
+                running.zero_()
+                row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
+                       "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
+                metrics.log(row)
+                bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
+            if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
+                save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results)
+            if stop_now:
+                bar.close()
+                metrics.close()
+                raise stop.preempted(step)
     bar.close()
     metrics.close()
     train_seconds = time.perf_counter() - t_start

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 / SIGUSR2 ask the training loop to stop after the current step.
+"""Preemption: SIGTERM / SIGUSR1 / SIGUSR2 ask the training loop to stop after the current step
+(outside the loop, e.g. during the final evaluation, they act at once as they would without us).
 
 The loop checks ``StopSignal.requested`` once per step (agreed over ranks), writes a checkpoint and
 results.json (``completed: false, preempted: true``) and raises ``Preempted``; the entry point then
@@ -10,10 +11,13 @@ tell a resumable stop from a failure (1) and a finished run (0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -37,13 +41,37 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.deferring = False
         self._previous: dict[int, Any] = {}
 
     @property
     def requested(self) -> bool:
         return self.received is not None
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Inside (the training loop, which checks ``requested`` every step) a stop signal is
+        recorded; outside (start-up, the final evaluation) it acts at once, as it would without
+        us: the previous handler runs (submitit's requeue), or the signal's default action."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.deferring:
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+                return
+            if previous == signal.SIG_IGN:
+                return
+            log.warning("received %s outside the training loop: nothing to save, stopping now",
+                        signal.Signals(signum).name)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.received is None:
             self.received = signum
             log.warning("received %s: stopping after the current step, with a checkpoint",
