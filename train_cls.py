@@ -42,9 +42,10 @@ if __name__ == "__main__":
     tune_glibc_malloc()
     export_slurm_env()
     register_resolvers()
-    try:
-        refuse_busy_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ into another live run's dir
-    except RunDirBusy as busy:
-        sys.exit(f"error: {busy}")
+    if launched_rank() == 0:  # (other ranks share rank 0's run dir, which rank 0 may hold already)
+        try:
+            refuse_busy_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ into another live run's dir
+        except RunDirBusy as busy:
+            sys.exit(f"error: {busy}")
     sys.argv += worker_rank_overrides(sys.argv)
     main()
