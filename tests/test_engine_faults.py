@@ -179,7 +179,9 @@ def test_sigterm_saves_and_exits_then_the_run_resumes_to_completion(tmp_path):
     cmd = script("train_dit.py", run_dir, "train.steps=100000", "train.ckpt_every=100000")
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not (run_dir / "metrics.csv").is_file() and time.time() < deadline and proc.poll() is None:
+    metrics = run_dir / "metrics.csv"  # a row is logged every step, inside the training loop
+    while time.time() < deadline and proc.poll() is None and not (
+            metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
