@@ -5,7 +5,9 @@
     torchrun --nproc_per_node=2 train_cls.py     # DDP (gloo on CPU, nccl on GPU)
     python train_cls.py mode=eval ckpt=RUN_DIR   # top-1 / top-5 of a checkpoint
 
-Configs: conf/train_cls.yaml and its groups. Prints the results (JSON) when done.
+Configs: conf/train_cls.yaml and its groups. Prints the results (JSON) when done. Exit codes: 0 done,
+1 error (e.g. non-finite training: results.json says ``completed: false`` and why), 75 stopped by
+SIGTERM / SIGUSR1 / SIGUSR2 after saving a checkpoint (run again in the same run dir to continue).
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from visattn.engine.cls_trainer import run_cls
-from visattn.engine.launch import export_slurm_env, launched_rank, worker_rank_overrides
+from visattn.engine.launch import export_slurm_env, launched_rank, register_resolvers, worker_rank_overrides
+from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.runlock import RunDirBusy, refuse_busy_run_dir
 from visattn.utils.allocator import tune_glibc_malloc
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_cls")
 def main(cfg: DictConfig) -> float:
-    results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
+    except Preempted as stop:
+        exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)
     if launched_rank() == 0:
         summary = {k: results.get(k) for k in ("top1", "top5", "top1_best", "active_ratio", "run_dir")}
         print(json.dumps(summary))
@@ -34,5 +41,11 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     tune_glibc_malloc()
     export_slurm_env()
+    register_resolvers()
+    if launched_rank() == 0:  # (other ranks share rank 0's run dir, which rank 0 may hold already)
+        try:
+            refuse_busy_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ into another live run's dir
+        except RunDirBusy as busy:
+            sys.exit(f"error: {busy}")
     sys.argv += worker_rank_overrides(sys.argv)
     main()

@@ -94,6 +94,14 @@ def test_experiments_compose(experiment, tmp_path):
         (["data.image_size=9"], ValueError, r"data.image_size=9 is not a multiple of the model's patch size 2"),
         (["+model.kwargs.num_heads=[8,8]"], ValueError, r"num_heads has 2 entries but the model has 6 layers"),
         (["data.in_chans=3"], ValueError, r"data.mean=\[0.5\] needs one value per channel"),
+        (["train.clip_grad=-1"], ValueError, r"train.clip_grad=-1 must be a finite number > 0; null turns"),
+        (["optim.lr=-0.001"], ValueError, r"optim.lr=-0.001 must be a finite number > 0"),
+        (["optim.lr=nan"], ValueError, r"optim.lr=nan must be a finite number > 0"),
+        (["train.batch_size=0"], ValueError, r"train.batch_size=0 must be an integer >= 1"),
+        (["train.eval_batch_size=0"], ValueError, r"train.eval_batch_size=0 must be an integer >= 1"),
+        (["train.max_nonfinite_steps=-1"], ValueError, r"train.max_nonfinite_steps=-1 must be an integer >= 0"),
+        (["train.amp=fp16"], ValueError, r"train.amp='fp16' is not known; use one of auto\|bf16\|none"),
+        (["resume=maybe"], FileNotFoundError, r"resume=maybe does not exist; give auto, true"),
     ],
 )
 def test_validation_errors_name_key_value_and_fix(overrides, error, message):
@@ -104,3 +112,8 @@ def test_validation_errors_name_key_value_and_fix(overrides, error, message):
 def test_batch_must_split_over_processes():
     with pytest.raises(ValueError, match=r"train.batch_size=63 is not divisible by the 2 processes"):
         validate_cls_config(compose_cls("train.batch_size=63"), world_size=2)
+
+
+def test_old_amp_spelling_is_accepted_with_a_warning(caplog):
+    validate_cls_config(compose_cls("train.amp=false"))
+    assert "train.amp=False is deprecated; write train.amp=none" in caplog.text

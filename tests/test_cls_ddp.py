@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from visattn.engine.checkpoints import latest_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
@@ -23,12 +25,13 @@ def test_torchrun_two_processes_share_one_run_dir(tmp_path):
            str(ROOT / "train_cls.py"), *TINY, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no run dir of its own
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not (run_dir / ".run.lock").exists()  # rank 0 held it and let it go  # rank 1 made no run dir of its own
     results = json.loads((run_dir / "results.json").read_text())
     assert results["world_size"] == 2
     assert results["train_steps"] == 2 * (1437 // 128)  # the global batch is split over the ranks
     assert 0.0 <= results["top1"] <= 1.0
-    state_rngs = torch.load(run_dir / "last_state.pt", weights_only=True)["rng"]
+    state_rngs = latest_checkpoint(run_dir).state()["rng"]
     assert len(state_rngs) == 2 and not torch.equal(state_rngs[0]["torch"], state_rngs[1]["torch"])
     summary = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(summary) == 1 and json.loads(summary[0])["top1"] == results["top1"]

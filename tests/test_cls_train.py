@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import load_file
 
+from visattn.engine.checkpoints import latest_checkpoint
 from visattn.engine.cls_setup import build_cls_model, load_model_weights
 from visattn.engine.cls_trainer import run_cls
 
@@ -39,7 +40,8 @@ def test_run_writes_results_metrics_checkpoints(full_run):
     for key in ("top1", "top5", "top1_best", "active_heads", "active_ratio", "params", "flops_per_image",
                 "train_images_per_s", "eval_images_per_s", "peak_memory_mb", "wall_time_s", "config"):
         assert on_disk[key] is not None, key
-    assert on_disk["task"] == "cls" and on_disk["attn"] == "moh"
+    assert on_disk["task"] == "cls" and on_disk["attn"] == "moh" and on_disk["completed"] is True
+    assert on_disk["amp"] in ("bf16", "none") and on_disk["amp_reason"].startswith("auto")
     assert on_disk["active_heads"] == [6, 8] and on_disk["active_ratio"] == 0.75  # 2 layers x (2 shared + 1 routed)
     assert 0.0 <= on_disk["top1"] <= on_disk["top5"] <= 1.0 and on_disk["top1_best"] >= on_disk["top1"]
     rows = (run_dir / "metrics.csv").read_text().splitlines()
@@ -48,9 +50,11 @@ def test_run_writes_results_metrics_checkpoints(full_run):
     assert (load["layers"], load["heads"], len(load["classes"])) == (2, [4, 4], 10)
     per_token = np.asarray(load["load"]).sum(axis=-1)  # heads used per token, averaged per class
     np.testing.assert_allclose(per_token, 3.0, atol=1e-5)
-    assert {"last.safetensors", "last_state.pt", "best.safetensors"} <= {p.name for p in run_dir.iterdir()}
-    state = torch.load(run_dir / "last_state.pt", weights_only=True)
-    assert state["epoch"] == 2 and len(state["rng"]) == 1
+    assert "best.safetensors" in {p.name for p in run_dir.iterdir()}
+    (ckpt,) = (run_dir / "checkpoints").iterdir()  # one complete unit, older ones removed
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.safetensors", "state.pt"]
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state["epoch"] == 2 and len(state["rng"]) == 1 and ckpt.name == f"step-{state['step']:09d}"
 
 
 def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
@@ -60,13 +64,13 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     resumed = run_cls(cfg_of("resume=true"), tmp_path)
     for key in ("top1", "top5", "top1_best", "train_steps"):
         assert resumed[key] == results[key], key
-    a, b = load_file(run_dir / "last.safetensors"), load_file(tmp_path / "last.safetensors")
+    a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
 
 
 def test_resume_without_checkpoint_says_what_is_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="last.safetensors.*resume=RUN_DIR"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*resume=RUN_DIR"):
         run_cls(cfg_of("resume=true"), tmp_path)
 
 
@@ -75,6 +79,8 @@ def test_eval_of_saved_checkpoint_reproduces_its_accuracy(full_run, tmp_path):
     evaluated = run_cls(cfg_of("mode=eval", f"ckpt={run_dir}"), tmp_path)  # a run dir: its best.safetensors
     assert evaluated["top1"] == results["top1_best"]
     assert json.loads((tmp_path / "results.json").read_text())["ckpt"] == str(run_dir)
+    last = run_cls(cfg_of("mode=eval", f"ckpt={latest_checkpoint(run_dir).path}"), tmp_path / "last")
+    assert last["top1"] == results["top1"]  # a checkpoint folder: its model.safetensors (the last epoch)
 
 
 def test_timm_weight_file_loads_into_mha_and_moh(tmp_path):

@@ -10,13 +10,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from visattn.data.latents import read_latent_cache
-from visattn.engine.distributed import DistInfo
-from visattn.engine.dit_trainer import checkpoint_path, run
+from visattn.engine.checkpoints import latest_checkpoint
+from visattn.engine.dit_trainer import run
 from visattn.models.vae import load_sd_vae
-from visattn.utils.checkpoint import load_train_state
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
-CPU = DistInfo(0, 1, 0, torch.device("cpu"))
 TINY_MODEL = [
     "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "eval.enabled=false",
@@ -53,7 +51,7 @@ def test_missing_vae_says_where_to_put_it(tmp_path):
 def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_path):
     vae_args = ["vae=sd", f"vae.path={tiny_vae_dir}", "vae.downsample=2", f"data.latents={tmp_path / 'cache'}"]
     out = run(config("mode=cache_latents", "cache.shard_size=16", "cache.batch_size=12",
-                     "cache.max_images=40", *vae_args), CPU, tmp_path)
+                     "cache.max_images=40", *vae_args), tmp_path)
     assert out["shards"] == 3 and out["images"] == 40
     cache = read_latent_cache(tmp_path / "cache")
     assert cache.mean.shape == (40, 2, 4, 4, 4) and cache.scale == pytest.approx(0.18215)
@@ -72,9 +70,9 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
     assert z.shape == (4, 4, 4, 4) and torch.equal(y, cache.labels[:4])
 
     run_dir = tmp_path / "run"
-    run(config("train.steps=2", *TINY_MODEL, *vae_args), CPU, run_dir)
-    ckpt = run_dir / "checkpoints" / "last.pt"
-    run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), CPU, run_dir)
+    run(config("train.steps=2", *TINY_MODEL, *vae_args), run_dir)
+    ckpt = run_dir  # a run dir: its newest checkpoint's EMA weights
+    run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), run_dir)
     with np.load(run_dir / "samples.npz") as f:
         assert f["arr_0"].shape == (3, 8, 8, 3) and f["arr_0"].dtype == np.uint8
     assert (run_dir / "samples.png").is_file()
@@ -82,21 +80,22 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
 
 def test_dense_soft_weights_write_no_head_load(tmp_path):
     # Every token uses every head, so there is no selection to show (the same rule as classification).
-    run(config("train.steps=1", *TINY_MODEL, "attn.shared_heads=4", "attn.routed_topk=0"), CPU, tmp_path)
+    run(config("train.steps=1", *TINY_MODEL, "attn.shared_heads=4", "attn.routed_topk=0"), tmp_path)
     assert (tmp_path / "results.json").is_file()
     assert not (tmp_path / "head_load.json").exists()
 
 
 def test_resume_continues_exactly(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), CPU, straight)
-    run(config("train.steps=2", *TINY_MODEL), CPU, split)
-    run(config("train.steps=4", "train.ckpt_every=2", "resume=true", *TINY_MODEL), CPU, split)
-    a, b = load_train_state(checkpoint_path(straight)), load_train_state(checkpoint_path(split))
-    assert a["step"] == b["step"] == 4
-    for part in ("model", "model_ema"):
-        for key in a[part]:
-            assert torch.equal(a[part][key], b[part][key]), f"{part}.{key} differs after resume"
+    run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), straight)
+    run(config("train.steps=2", *TINY_MODEL), split)
+    run(config("train.steps=4", "train.ckpt_every=2", "resume=true", *TINY_MODEL), split)
+    a, b = latest_checkpoint(straight), latest_checkpoint(split)
+    assert a.step == b.step == 4
+    for part in ("model.safetensors", "ema.safetensors"):
+        wa, wb = a.weights(part), b.weights(part)
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), f"{part}: {key} differs after resume"
     rows = (split / "metrics.csv").read_text().strip().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
     load = json.loads((split / "head_load.json").read_text())
@@ -107,8 +106,8 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_bad_settings_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="data.latents=DIR"):
-        run(config("vae=sd", *TINY_MODEL), CPU, tmp_path)
+        run(config("vae=sd", *TINY_MODEL), tmp_path)
     with pytest.raises(ValueError, match="mode='nope'"):
-        run(config("mode=nope"), CPU, tmp_path)
+        run(config("mode=nope"), tmp_path)
     with pytest.raises(ValueError, match="ckpt=PATH"):
-        run(config("mode=sample", *TINY_MODEL), CPU, tmp_path)
+        run(config("mode=sample", *TINY_MODEL), tmp_path)

@@ -100,3 +100,33 @@ def test_results_and_metrics_files(tmp_path):
     tp.start()
     tp.stop(10)
     assert tp.items == 10 and tp.rate > 0
+
+
+def test_amp_auto_follows_the_cpu_probe_and_is_recorded(monkeypatch, caplog):
+    import logging
+
+    from visattn.engine import amp
+
+    cpu = torch.device("cpu")
+    for faster, dtype in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda faster=faster: faster)
+        with caplog.at_level(logging.INFO):
+            choice = amp.choose_amp("auto", cpu)
+        assert choice.dtype == dtype and choice.record()["amp"] == ("bf16" if faster else "none")
+        assert "mixed precision:" in caplog.text
+    assert amp.choose_amp("none", cpu).dtype is None and amp.choose_amp("bf16", cpu).dtype == torch.bfloat16
+    assert amp.normalize_amp(True) == "bf16" and amp.normalize_amp(False) == "none"
+    with pytest.raises(ValueError, match=r"train.amp='fp16' is not known; use one of auto\|bf16\|none"):
+        amp.normalize_amp("fp16")
+
+
+def test_cpu_bf16_probe_is_quick_and_cached():
+    import time
+
+    from visattn.engine.amp import cpu_bf16_is_faster
+
+    t0 = time.perf_counter()
+    first = cpu_bf16_is_faster()
+    t1 = time.perf_counter()
+    assert cpu_bf16_is_faster() is first and time.perf_counter() - t1 < 1e-3  # cached per process
+    assert t1 - t0 < 2.0

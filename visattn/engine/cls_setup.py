@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ import visattn.models  # noqa: F401  (registers the visattn_* timm models)
 from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
 from visattn.data.datasets import check_data_config
 from visattn.utils.checkpoint import load_weights
+
+from .amp import normalize_amp
+from .checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,17 @@ def _check_path(key: str, value: Any, what: str) -> None:
         raise FileNotFoundError(f"{key}={value} does not exist; {what}")
 
 
+def _count(key: str, value: Any, minimum: int = 1, why: str = "") -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{key}={value!r} must be an integer >= {minimum}{why}")
+
+
+def _positive_number(key: str, value: Any, allow_zero: bool = False, fix: str = "") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and (value >= 0 if allow_zero else value > 0)):
+        raise ValueError(f"{key}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}{fix}")
+
+
 def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
     """Check the composed config before any work; returns the model built on the meta device.
 
@@ -90,16 +105,28 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
         raise ValueError("mode=eval needs ckpt=PATH (a weight file, or a run dir holding best.safetensors)")
     _check_path("ckpt", cfg.ckpt, "give a weight file (.safetensors/.pth) or a run dir")
     _check_path("model.init_from", cfg.model.init_from, "give a weight file (.safetensors/.pth) of a trained model")
-    if not isinstance(cfg.resume, bool):
-        _check_path("resume", cfg.resume, "give true (this run dir) or the run dir to continue")
+    if not isinstance(cfg.resume, bool) and cfg.resume != "auto":
+        _check_path("resume", cfg.resume, "give auto, true (this run dir), false or the run dir to continue")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={cfg.device} is not known; use auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available here; use device=cpu (or auto)")
     check_data_config(cfg.data)
     train = cfg.train
-    if train.epochs < 1:
-        raise ValueError(f"train.epochs={train.epochs} must be >= 1")
+    _count("train.epochs", train.epochs)
+    _count("train.batch_size", train.batch_size, why=" (the global batch)")
+    _count("train.eval_batch_size", train.eval_batch_size, why=" (per process)")
+    _count("train.eval_every", train.eval_every)
+    _count("train.max_nonfinite_steps", train.max_nonfinite_steps, minimum=0)
+    if train.stop_after_epoch is not None:
+        _count("train.stop_after_epoch", train.stop_after_epoch)
+    _positive_number("optim.lr", cfg.optim.lr)
+    _positive_number("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    if train.clip_grad is not None:
+        _positive_number("train.clip_grad", train.clip_grad, fix="; null turns clipping off")
+    normalize_amp(train.amp)
+    for key in ("warmup_lr", "min_lr"):
+        _positive_number(f"sched.{key}", cfg.sched[key], allow_zero=True)
     if cfg.sched.warmup_epochs >= train.epochs and cfg.sched.warmup_epochs > 0:
         raise ValueError(
             f"sched.warmup_epochs={cfg.sched.warmup_epochs} leaves no epoch after warm-up "
@@ -141,8 +168,10 @@ def log_head_budget(model: nn.Module) -> None:
 
 
 def resolve_weight_path(path: str | Path) -> Path:
-    """A weight file, or a run dir (its best.safetensors)."""
+    """A weight file, a checkpoint folder (its model.safetensors) or a run dir (its best.safetensors)."""
     path = Path(path)
+    if (path / MANIFEST).is_file():
+        return verify_checkpoint(path).path / MODEL_WEIGHTS
     if path.is_dir():
         path = path / BEST_WEIGHTS
         if not path.is_file():

@@ -1,16 +1,17 @@
 """Classification training and evaluation (``train_cls.py``): one process or DDP under torchrun.
 
-Run dir outputs: ``metrics.csv`` + ``tb/`` (per epoch), ``last.safetensors`` + ``last_state.pt``
-and ``best.safetensors`` (atomic, every epoch), ``results.json``, and ``head_load.json`` for
-routed models. ``loss = task + beta * visattn.aux_loss(model)``.
+Run dir outputs: ``metrics.csv`` + ``tb/`` (per epoch), ``checkpoints/step-N/`` (one atomic unit,
+see ``checkpoints``; every epoch, before evaluating, and on preemption mid-epoch),
+``best.safetensors`` (atomic), ``results.json``, and ``head_load.json`` for routed models.
+``loss = task + beta * visattn.aux_loss(model)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,17 @@ from visattn.attention import active_heads, aux_loss
 from visattn.data.datasets import build_datasets
 from visattn.data.loaders import build_loaders, build_mixup
 from visattn.data.sources import class_names
-from visattn.utils.checkpoint import (
-    load_train_state,
-    load_weights,
-    rng_state,
-    save_train_state,
-    save_weights,
-    set_rng_state,
-    weights_metadata,
-)
+from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
 
-from .cls_eval import HeadLoadMeter, evaluate
+from .amp import choose_amp
+from .checkpoints import (
+    EMA_WEIGHTS,
+    MODEL_WEIGHTS,
+    Checkpoint,
+    checkpoint_to_resume,
+    save_checkpoint,
+)
+from .cls_eval import evaluate
 from .cls_setup import (
     BEST_WEIGHTS,
     attn_spec,
@@ -45,34 +46,19 @@ from .cls_setup import (
     log_head_budget,
     validate_cls_config,
 )
-from .distributed import (
-    DistInfo,
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    cleanup_distributed,
-    init_distributed,
-)
+from .data_skip import skip_first_batches
+from .distributed import all_gather_object, all_reduce_sum, barrier, broadcast_module
 from .ema import ModelEMA, unwrap_model
-from .launch import agreed_run_dir, seed_everything
+from .guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
+from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
+from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
 from .results import Throughput, count_params, model_flops, peak_memory_mb, write_json, write_results
-from .runlog import MetricsLogger, setup_logging
+from .runlog import MetricsLogger
+from .step import StepGate, clip_and_norm
 
 log = logging.getLogger(__name__)
 
-LAST_WEIGHTS = "last.safetensors"
-LAST_STATE = "last_state.pt"
-HEAD_LOAD_FILE = "head_load.json"
-
-
-def amp_dtype(setting: Any, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast: ``auto`` = on for CUDA devices that support bf16, off on CPU."""
-    if setting == "auto":
-        on = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    else:
-        on = bool(setting)
-    return torch.bfloat16 if on else None
 
 
 def task_criterion(mixup_on: bool, label_smoothing: float) -> nn.Module:
@@ -86,15 +72,29 @@ def _class_names(dataset) -> list[str] | None:
     return list(classes) if classes is not None else None
 
 
+@dataclass
+class _Position:
+    """Where training is: epochs done, batches done in the next epoch, optimizer steps, best top-1,
+    and that epoch's running sums (loss, aux, batches)."""
+
+    epoch: int = 0
+    batches: int = 0
+    step: int = 0
+    best: float = -1.0
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+
 class ClsRun:
     """One classification run: everything built from the config, then ``train()`` or ``eval()``."""
 
-    def __init__(self, cfg: DictConfig, run_dir: str | Path, dist_info: DistInfo) -> None:
+    def __init__(self, cfg: DictConfig, ctx: Launched) -> None:
         self.cfg = cfg
-        self.dist = dist_info
+        self.dist = dist_info = ctx.dist
         self.device = dist_info.device
-        self.run_dir = Path(run_dir)
-        self.amp_dtype = amp_dtype(cfg.train.amp, self.device)
+        self.run_dir = ctx.run_dir
+        self.stop = ctx.stop
+        self.amp = choose_amp(cfg.train.amp, self.device)
+        self.amp_dtype = self.amp.dtype
         self.t0 = time.perf_counter()
 
         seed_everything(cfg.seed)  # same initial weights on every rank
@@ -103,6 +103,7 @@ class ClsRun:
         if cfg.model.init_from is not None and cfg.mode == "train":
             load_model_weights(self.model, cfg.model.init_from, new_head_ok=True)
         self.model.to(self.device)
+        broadcast_module(self.model)  # rank 0's weights everywhere, before any EMA copies them
         active, total = active_heads(self.model)
         self.routed = active < total
         seed_everything(cfg.seed + dist_info.rank)  # augmentation differs per rank
@@ -116,7 +117,7 @@ class ClsRun:
         self.classes = _class_names(self.val_set) or class_names(cfg.data.name, cfg.data.num_classes)
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
+        return self.amp.autocast(self.device)
 
     # ---------------------------------------------------------------- evaluation
     def _evaluate(self, model: nn.Module, with_head_load: bool = False) -> tuple[dict[str, float], dict | None]:
@@ -136,6 +137,17 @@ class ClsRun:
 
     # ---------------------------------------------------------------- training
     def train(self) -> dict[str, Any]:
+        """Train (resuming per ``cfg.resume``); results.json records a finished run, a preempted one
+        (``completed: false, preempted: true``) or a failed one (``completed: false, failure``)."""
+        try:
+            with self.stop.deferred():  # a stop signal is acted on after the step it arrives in
+                return self._train()
+        except NonFiniteError as err:
+            if self.dist.is_main:
+                write_results(self.run_dir, {**self._summary(), "completed": False, "failure": err.failure})
+            raise
+
+    def _train(self) -> dict[str, Any]:
         cfg, dist = self.cfg, self.dist
         model = self.model
         ema = ModelEMA(model, cfg.train.ema_decay) if cfg.train.ema else None
@@ -145,6 +157,9 @@ class ClsRun:
             cfg.optim.lr, cfg.train.epochs * steps_per_epoch, round(cfg.sched.warmup_epochs * steps_per_epoch),
             cfg.sched.warmup_lr, cfg.sched.min_lr, cfg.sched.name,
         )
+        guard = NonFiniteGuard(cfg.train.max_nonfinite_steps,
+                               cause_hint(cfg.optim.lr, cfg.train.amp, cfg.data.name))
+        gate = StepGate(guard, self.stop, self.device)
         if dist.distributed:
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None
@@ -155,120 +170,139 @@ class ClsRun:
         criterion = task_criterion(mixup is not None, cfg.aug.label_smoothing)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.train.tensorboard, enabled=dist.is_main)
 
-        start_epoch, step, best = 0, 0, -1.0
-        if cfg.resume:
-            start_epoch, step, best = self._resume(optimizer, ema)
-            logger.drop_after(step)
+        pos = _Position()
+        found = checkpoint_to_resume(self.cfg.resume, self.run_dir)
+        if found is not None:
+            pos = self._resume(found, optimizer, ema, guard)
+            logger.drop_after(pos.step)
         train_images, train_seconds = 0, 0.0
         metrics: dict[str, float] = {}
-        for epoch in range(start_epoch, cfg.train.epochs):
+        for epoch in range(pos.epoch, cfg.train.epochs):
             self.train_loader.sampler.set_epoch(epoch)
             model.train()
-            sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss, aux, batches
+            sums = pos.sums.to(self.device)  # loss, aux, batches (a resumed epoch continues its sums)
             bar = tqdm(self.train_loader, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", leave=False,
-                       disable=not (cfg.train.progress and dist.is_main))
+                       disable=not (cfg.train.progress and dist.is_main), initial=pos.batches)
             timer = Throughput(self.device)
             timer.start()
-            epoch_images = 0
-            for images, labels in bar:
-                images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-                if mixup is not None:
-                    images, labels = mixup(images, labels)
-                lr = schedule.apply(optimizer, step)
-                with self._autocast():
-                    logits = model(images)
-                    task = criterion(logits.float(), labels)
-                aux = aux_loss(model)
-                loss = task + cfg.train.aux_loss_weight * aux
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.train.clip_grad:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
-                optimizer.step()
-                if ema is not None:
-                    ema.update(model)
-                step += 1
-                epoch_images += len(images)
-                sums += torch.stack([task.detach(), aux.detach(), torch.ones((), device=self.device)]).to(sums.dtype)
-                if step % 10 == 0 and not bar.disable:
-                    bar.set_postfix(loss=f"{task.item():.3f}", lr=f"{lr:.2e}")
+            epoch_images, batches = 0, pos.batches
+            with skip_first_batches(self.train_loader, pos.batches):
+                for images, labels in bar:
+                    images = images.to(self.device, non_blocking=True)
+                    labels = labels.to(self.device, non_blocking=True)
+                    if mixup is not None:
+                        images, labels = mixup(images, labels)
+                    lr = schedule.apply(optimizer, pos.step)
+                    with self._autocast():
+                        logits = model(images)
+                        task = criterion(logits.float(), labels)
+                    aux = aux_loss(model)
+                    loss = task + cfg.train.aux_loss_weight * aux
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    norm = clip_and_norm(model.parameters(), cfg.train.clip_grad)
+                    apply, stop = gate.decide(pos.step, loss, norm)
+                    if apply:
+                        optimizer.step()
+                        if ema is not None:
+                            ema.update(model)
+                        sums += torch.stack([task.detach(), aux.detach(), torch.ones((), device=self.device)]
+                                            ).to(sums.dtype)
+                    pos.step += 1
+                    batches += 1
+                    epoch_images += len(images)
+                    if pos.step % 10 == 0 and not bar.disable:
+                        bar.set_postfix(loss=f"{task.item():.3f}", lr=f"{lr:.2e}")
+                    if stop:
+                        pos = _Position(epoch, batches, pos.step, pos.best, sums.cpu())
+                        self._save_last(model, optimizer, ema, guard, pos)
+                        if dist.is_main:
+                            write_results(self.run_dir, {**self._summary(), "completed": False, "preempted": True,
+                                                         "train_steps": pos.step, "epochs": cfg.train.epochs})
+                        raise self.stop.preempted(pos.step)
+            pos.batches, pos.sums = 0, torch.zeros(3, dtype=torch.float64)
             timer.stop(epoch_images)
             train_images, train_seconds = train_images + epoch_images, train_seconds + timer.seconds
             all_reduce_sum(sums)
             epoch_rate = all_reduce_sum(torch.tensor([timer.rate], device=self.device, dtype=torch.float64))
             last = epoch + 1 == cfg.train.epochs
-            stop = cfg.train.stop_after_epoch is not None and epoch + 1 >= cfg.train.stop_after_epoch
+            stop_here = cfg.train.stop_after_epoch is not None and epoch + 1 >= cfg.train.stop_after_epoch
             row: dict[str, Any] = {
-                "step": step, "epoch": epoch + 1, "loss": sums[0].item() / sums[2].item(),
-                "aux_loss": sums[1].item() / sums[2].item(), "lr": optimizer.param_groups[0]["lr"],
-                "images_per_s": epoch_rate.item(),
+                "step": pos.step, "epoch": epoch + 1, "loss": sums[0].item() / max(sums[2].item(), 1.0),
+                "aux_loss": sums[1].item() / max(sums[2].item(), 1.0), "lr": optimizer.param_groups[0]["lr"],
+                "images_per_s": epoch_rate.item(), "skipped_steps": guard.skipped,
             }
-            if last or stop or (epoch + 1) % cfg.train.eval_every == 0:
-                metrics, load = self._evaluate(unwrap_model(model), with_head_load=self.routed)
-                row.update(metrics)
-                best = max(best, metrics["top1"])
-                if load is not None:
-                    row.update({f"head_load/layer{i}": np.mean(layer, axis=0).tolist()
-                                for i, layer in enumerate(load["load"])})
-                    if dist.is_main:
-                        write_json(self.run_dir / HEAD_LOAD_FILE, load)
-                if ema is not None:
-                    row["top1_ema"] = evaluate(ema.module, self.val_loader, self.device, cfg.data.num_classes,
-                                               self.amp_dtype)["top1"]
-                if metrics["top1"] >= best and dist.is_main:
-                    save_weights(self.run_dir / BEST_WEIGHTS, unwrap_model(model).state_dict(),
-                                 {"epoch": str(epoch + 1), "top1": str(metrics["top1"])})
-                log.info("epoch %d/%d: loss %.4f top1 %.4f top5 %.4f (best %.4f)", epoch + 1, cfg.train.epochs,
-                         row["loss"], metrics["top1"], metrics["top5"], best)
+            if last or stop_here or (epoch + 1) % cfg.train.eval_every == 0:
+                metrics = self._evaluate_epoch(model, ema, row, pos, epoch)
             logger.log(row)
-            self._save_last(model, optimizer, ema, epoch + 1, step, best)
-            if stop and not last:
+            pos.epoch = epoch + 1
+            self._save_last(model, optimizer, ema, guard, pos)
+            if stop_here and not last:
                 log.info("stopping after epoch %d (train.stop_after_epoch); continue with resume=true", epoch + 1)
                 break
         logger.close()
         results = {
-            **self._summary(), **metrics, "top1_best": best, "epochs": cfg.train.epochs,
-            "train_images_per_s": train_images / max(train_seconds, 1e-9) * dist.world_size, "train_steps": step,
+            **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
+            "train_images_per_s": train_images / max(train_seconds, 1e-9) * dist.world_size,
+            "train_steps": pos.step, "skipped_steps": guard.skipped,
             "completed": not (cfg.train.stop_after_epoch and cfg.train.stop_after_epoch < cfg.train.epochs),
         }
         if dist.is_main:
             write_results(self.run_dir, results)
         return results
 
-    def _save_last(self, model, optimizer, ema, epoch: int, step: int, best: float) -> None:
-        rngs = all_gather_object(rng_state())  # every rank's generators
-        if not self.dist.is_main:
-            return
-        meta = {"epoch": str(epoch), "step": str(step)}
-        save_weights(self.run_dir / LAST_WEIGHTS, unwrap_model(model).state_dict(), meta)
-        state = {
-            "epoch": epoch, "step": step, "best_top1": best, "world_size": self.dist.world_size,
-            "optimizer": optimizer.state_dict(), "rng": rngs,
-            "ema": ema.state_dict() if ema is not None else None,
-        }
-        save_train_state(self.run_dir / LAST_STATE, state)
+    def _evaluate_epoch(self, model, ema, row: dict[str, Any], pos: _Position, epoch: int) -> dict[str, float]:
+        """Evaluate after an epoch: fills ``row``, updates ``pos.best``, saves best.safetensors."""
+        cfg, dist = self.cfg, self.dist
+        metrics, load = self._evaluate(unwrap_model(model), with_head_load=self.routed)
+        row.update(metrics)
+        pos.best = max(pos.best, metrics["top1"])
+        if load is not None:
+            row.update({f"head_load/layer{i}": np.mean(layer, axis=0).tolist() for i, layer in enumerate(load["load"])})
+            if dist.is_main:
+                write_json(self.run_dir / HEAD_LOAD_FILE, load)
+        if ema is not None:
+            row["top1_ema"] = evaluate(ema.module, self.val_loader, self.device, cfg.data.num_classes,
+                                       self.amp_dtype)["top1"]
+        weights = unwrap_model(model).state_dict()
+        require_finite(weights, BEST_WEIGHTS, pos.step)  # on every rank, so all of them stop together
+        if metrics["top1"] >= pos.best and dist.is_main:
+            save_weights(self.run_dir / BEST_WEIGHTS, weights, {"epoch": str(epoch + 1), "top1": str(metrics["top1"])})
+        log.info("epoch %d/%d: loss %.4f top1 %.4f top5 %.4f (best %.4f)", epoch + 1, cfg.train.epochs,
+                 row["loss"], metrics["top1"], metrics["top5"], pos.best)
+        return metrics
 
-    def _resume(self, optimizer, ema) -> tuple[int, int, float]:
-        weights, state_path = self.run_dir / LAST_WEIGHTS, self.run_dir / LAST_STATE
-        if not (weights.is_file() and state_path.is_file()):
-            raise FileNotFoundError(
-                f"resume={self.cfg.resume}: {weights} or {state_path} is missing; resume in the run dir of a run "
-                "that finished an epoch (resume=RUN_DIR or hydra.run.dir=RUN_DIR resume=true)"
-            )
-        state = load_train_state(state_path)
-        if weights_metadata(weights).get("step") != str(state["step"]):
-            raise ValueError(f"{weights} and {state_path} are from different steps; the run was killed while saving")
-        self.model.load_state_dict(load_weights(weights))
+    def _save_last(self, model, optimizer, ema, guard: NonFiniteGuard, pos: _Position) -> None:
+        weights = {MODEL_WEIGHTS: unwrap_model(model).state_dict()}
+        if ema is not None:
+            weights[EMA_WEIGHTS] = ema.state_dict()
+        for name, tensors in weights.items():
+            require_finite(tensors, name, pos.step)  # on every rank, so all of them stop together
+        rngs = all_gather_object(rng_state())  # every rank's generators
+        if self.dist.is_main:
+            state = {
+                "step": pos.step, "epoch": pos.epoch, "batches": pos.batches, "epoch_sums": pos.sums,
+                "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
+                "rng": rngs, "guard": guard.state_dict(),
+            }
+            save_checkpoint(self.run_dir, pos.step, weights, state)
+        barrier()
+
+    def _resume(self, found: Checkpoint, optimizer, ema, guard: NonFiniteGuard) -> _Position:
+        state = found.state()
+        self.model.load_state_dict(found.weights(MODEL_WEIGHTS))
         optimizer.load_state_dict(state["optimizer"])
-        if ema is not None and state["ema"] is not None:
-            ema.load_state_dict(state["ema"])
+        if ema is not None and EMA_WEIGHTS in found.files:
+            ema.load_state_dict(found.weights(EMA_WEIGHTS))
+        guard.load_state_dict(state.get("guard"))
         if state["world_size"] == self.dist.world_size:
             set_rng_state(state["rng"][self.dist.rank])
         else:
             log.warning("resuming with %d processes, saved with %d: data order and augmentation differ",
                         self.dist.world_size, state["world_size"])
-        log.info("resumed from %s at epoch %d (step %d)", self.run_dir, state["epoch"], state["step"])
-        return state["epoch"], state["step"], state["best_top1"]
+        log.info("resumed from %s at epoch %d, batch %d (step %d)", found.path, state["epoch"], state["batches"],
+                 state["step"])
+        return _Position(state["epoch"], state["batches"], state["step"], state["best_top1"], state["epoch_sums"])
 
     def _summary(self) -> dict[str, Any]:
         model = self.model
@@ -282,23 +316,18 @@ class ClsRun:
             "active_heads": [active, total], "active_ratio": active / max(total, 1),
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), "wall_time_s": time.perf_counter() - self.t0,
-            "run_dir": str(self.run_dir), "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
 
 def run_cls(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Validate ``cfg``, then train or evaluate; returns what ``results.json`` holds."""
+    """Validate ``cfg``, then train or evaluate; returns what ``results.json`` holds. Raises
+    ``Preempted`` after saving on a stop signal, ``NonFiniteError`` when training diverged."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_cls_config(cfg, world_size)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    dist_info = init_distributed(None if cfg.device == "auto" else cfg.device)
-    try:
-        setup_logging(dist_info.rank)
-        run_dir = agreed_run_dir(cfg.resume if isinstance(cfg.resume, str) else run_dir)
-        run = ClsRun(cfg, run_dir, dist_info)
+    resume_dir = cfg.resume if isinstance(cfg.resume, str) and cfg.resume != "auto" else run_dir
+    with launched(cfg.device, cfg.train.num_threads, resume_dir) as ctx:
+        run = ClsRun(cfg, ctx)
         results = run.eval() if cfg.mode == "eval" else run.train()
         barrier()
         return results
-    finally:
-        cleanup_distributed()

@@ -1,16 +1,37 @@
-"""Launch plumbing shared by the entry points: Hydra under torchrun / SLURM, one run dir for all ranks."""
+"""The launch layer both entry points share: Hydra under torchrun / SLURM, threads, the process
+group, one run dir agreed by all ranks, logging, the run-dir lock, leftovers of interrupted saves,
+and the stop signals (preemption).
+
+    with launched(cfg.device, cfg.train.num_threads, run_dir) as ctx:   # ctx.dist, ctx.run_dir, ctx.stop
+        ...
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
-from .distributed import broadcast_object
+from .checkpoints import remove_stale
+from .distributed import DistInfo, broadcast_object, cleanup_distributed, init_distributed
+from .preempt import StopSignal
+from .runlock import RunDirBusy, RunLock
+from .runlog import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def register_resolvers() -> None:
+    """``${pid:}`` for the default run dirs: runs started in the same second get different dirs."""
+    OmegaConf.register_new_resolver("pid", lambda: str(os.getpid()), replace=True)
 
 
 def launched_rank() -> int:
@@ -47,3 +68,49 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Launched:
+    dist: DistInfo
+    run_dir: Path
+    stop: StopSignal
+
+
+@contextlib.contextmanager
+def hold_run_dir(run_dir: Path, dist: DistInfo) -> Iterator[None]:
+    """Rank 0 takes the run dir's lock and removes leftovers of interrupted saves; every rank
+    raises ``RunDirBusy`` when the dir is held by another live run."""
+    lock = RunLock(run_dir)
+    error = None
+    if dist.is_main:
+        try:
+            lock.acquire()
+        except RunDirBusy as err:
+            error = str(err)
+    error = broadcast_object(error)
+    if error is not None:
+        raise RunDirBusy(error)
+    try:
+        if dist.is_main:
+            remove_stale(run_dir)
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def launched(device: str, num_threads: int | None, local_run_dir: str | Path) -> Iterator[Launched]:
+    """Threads, process group (torchrun), logging, the agreed run dir, its lock and the stop
+    signals, undone on exit. ``device``: auto | cpu | cuda."""
+    if num_threads:
+        torch.set_num_threads(int(num_threads))
+    dist = init_distributed(None if device == "auto" else device)
+    try:
+        setup_logging(dist.rank)
+        run_dir = agreed_run_dir(local_run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with hold_run_dir(run_dir, dist), StopSignal() as stop:
+            yield Launched(dist, run_dir, stop)
+    finally:
+        cleanup_distributed()

@@ -1,8 +1,10 @@
 """Atomic checkpoint files: weights in safetensors, training state via ``torch.save``.
 
 Every writer goes through ``atomic_write_bytes`` (temp file in the same folder, fsync, rename), so
-a run killed while saving leaves the previous file intact. Training states hold only tensors,
-numbers, strings, None and lists/tuples/dicts of them, so ``torch.load(weights_only=True)`` reads them.
+a run killed while saving leaves the previous file intact; files get the mode the user's umask gives
+(not mkstemp's 0600). Training states hold only tensors, numbers, strings, None and lists/tuples/dicts
+of them, so ``torch.load(weights_only=True)`` reads them. Every loader names the file and the format
+it expected when a file is unreadable (truncated, not that format, or a refused pickle).
 """
 
 from __future__ import annotations
@@ -10,25 +12,49 @@ from __future__ import annotations
 import io
 import os
 import random
-import tempfile
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save as safetensors_bytes
 
 _WEIGHT_SUBDICTS = ("model", "state_dict", "ema", "model_ema", "state_dict_ema")
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+TEMP_SUFFIX = ".tmp"  # atomic_write_bytes's temp files: ``.NAME.<pid>.<random>.tmp`` next to the target
+SAFETENSORS_FORMAT = "a safetensors file (8-byte header length, JSON header, tensor bytes)"
+TORCH_FORMAT = "a torch.save file (zip archive) holding only tensors, numbers, strings and containers"
+
+
+def temp_path_for(path: Path) -> Path:
+    """A fresh temp-file name next to ``path`` (same folder, so the final rename is atomic)."""
+    return path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new entry in folder ``path`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temp_path_for(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -36,7 +62,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -53,8 +79,36 @@ def weights_metadata(path: str | Path) -> dict[str, str]:
     """The string metadata stored in a safetensors file's header."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError) as err:
+        raise unreadable(path, SAFETENSORS_FORMAT, err) from None
+
+
+def unreadable(path: str | Path, expected: str, err: BaseException) -> ValueError:
+    """The error for a file that is not what it should be: its path, the expected format, the cause."""
+    return ValueError(
+        f"{path} is not readable as {expected}: {type(err).__name__}: {err}. The file may be truncated "
+        "(a copy or save that was interrupted) or of another format; restore it or point to another file"
+    )
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; ValueError naming the file on a truncated / foreign one."""
+    try:
+        return load_safetensors(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise unreadable(path, SAFETENSORS_FORMAT, err) from None
+
+
+def read_torch_file(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on CPU; ValueError naming the file when it is not a
+    torch file or holds objects that weights_only refuses (pickled code is never run)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError, RuntimeError (bad zip), EOFError, ...
+        raise unreadable(path, TORCH_FORMAT, err) from None
 
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,8 +136,8 @@ def load_weights(path: str | Path, prefer_ema: bool = False) -> dict[str, torch.
     if not path.is_file():
         raise FileNotFoundError(f"weight file {path} does not exist; give the path of a .safetensors or .pth file")
     if path.suffix == ".safetensors":
-        return strip_wrapper_prefixes(load_safetensors(str(path)))
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+        return strip_wrapper_prefixes(read_safetensors(path))
+    obj = read_torch_file(path)
     if not isinstance(obj, Mapping):
         raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict")
     order = _WEIGHT_SUBDICTS[2:] + _WEIGHT_SUBDICTS[:2] if prefer_ema else _WEIGHT_SUBDICTS
@@ -127,7 +181,10 @@ def load_train_state(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training state {path} does not exist; was the run saved with this run dir?")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state = read_torch_file(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a training state (a dict); is it the right file?")
+    return state
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,0 +1,97 @@
+"""``train.amp``: bf16 autocast or none, the same vocabulary for both tasks.
+
+    auto  bf16 on CUDA devices that support it; on CPU only when a one-off start-up probe (a bf16
+          vs fp32 matmul of a model-like size, a few ms, cached per process) finds bf16 faster,
+          i.e. on CPUs with native bf16 (AMX / AVX512-BF16); fp32 otherwise (AVX2 CPUs emulate
+          bf16, ~20x slower).
+    bf16  always bf16 autocast.    none  fp32.
+No fp16: it needs loss scaling, and bf16 is what the GPUs we target run. The old spellings
+``true`` / ``false`` are accepted with a warning naming the new values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AMP_SETTINGS = ("auto", "bf16", "none")
+_LEGACY = {True: "bf16", False: "none", "true": "bf16", "false": "none", "True": "bf16", "False": "none"}
+
+
+def normalize_amp(value: Any, key: str = "train.amp") -> str:
+    """``value`` as one of AMP_SETTINGS (legacy booleans mapped, with a warning)."""
+    if isinstance(value, str) and value in AMP_SETTINGS:
+        return value
+    if value in _LEGACY:
+        new = _LEGACY[value]
+        log.warning("%s=%s is deprecated; write %s=%s (values: %s)", key, value, key, new, "|".join(AMP_SETTINGS))
+        return new
+    raise ValueError(f"{key}={value!r} is not known; use one of {'|'.join(AMP_SETTINGS)}")
+
+
+@functools.cache
+def cpu_bf16_is_faster(size: int = 256, repeats: int = 3) -> bool:
+    """Time a [size, size] matmul in bf16 and fp32 on this CPU (best of ``repeats``); cached."""
+    a32 = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    a16 = a32.to(torch.bfloat16)
+
+    def best(x: torch.Tensor, give_up_after: float = float("inf")) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first run is a warm-up, unless it already decides
+            t0 = time.perf_counter()
+            x @ x
+            times.append(time.perf_counter() - t0)
+            if times[-1] > give_up_after:  # clearly slower (emulated bf16): do not wait for more runs
+                return times[-1]
+        return min(times[1:])
+
+    t32 = best(a32)
+    t16 = best(a16, give_up_after=10 * t32 + 1e-3)
+    log.info("bf16 probe on CPU: fp32 %.2f ms, bf16 %.2f ms per %dx%d matmul", 1e3 * t32, 1e3 * t16, size, size)
+    return t16 < t32
+
+
+@dataclass(frozen=True)
+class AmpChoice:
+    dtype: torch.dtype | None
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.dtype is not None else "none"
+
+    def autocast(self, device: torch.device):
+        return torch.autocast(device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+
+    def record(self) -> dict[str, str]:
+        """results.json fields."""
+        return {"amp": self.name, "amp_reason": self.reason}
+
+
+def choose_amp(setting: Any, device: torch.device) -> AmpChoice:
+    """The autocast dtype for ``train.amp`` on ``device``; the decision is logged."""
+    setting = normalize_amp(setting)
+    if setting == "bf16":
+        choice = AmpChoice(torch.bfloat16, "train.amp=bf16")
+    elif setting == "none":
+        choice = AmpChoice(None, "train.amp=none")
+    elif device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        choice = AmpChoice(torch.bfloat16 if ok else None,
+                           f"auto: this CUDA device {'supports' if ok else 'lacks'} bf16")
+    elif device.type == "cpu":
+        faster = cpu_bf16_is_faster()
+        choice = AmpChoice(torch.bfloat16 if faster else None,
+                           f"auto: bf16 matmul measured {'faster' if faster else 'slower'} than fp32 on this CPU")
+    else:
+        choice = AmpChoice(None, f"auto: no bf16 policy for device type {device.type}")
+    log.info("mixed precision: %s (%s)", choice.name, choice.reason)
+    return choice

@@ -1,0 +1,120 @@
+"""DiT data: in-memory pixel arrays or the latent cache, the per-rank batch stream, the decoder from
+model space to images, and the image source of the latent cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from visattn.data.latents import PixelData, pad_to, read_latent_cache
+from visattn.data.loaders import train_sampler
+from visattn.data.sources import load_arrays
+from visattn.engine.distributed import (
+    DistInfo,
+)
+from visattn.engine.dit_sampling import EMBEDDED_DATASETS
+from visattn.engine.dit_setup import pixel_canvas, uses_vae
+
+log = logging.getLogger(__name__)
+
+
+def load_pixel_arrays(cfg: Mapping[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
+    data = cfg["data"]
+    if data["name"] not in EMBEDDED_DATASETS:
+        raise ValueError(
+            f"data={data['name']} has no in-memory pixel loader for DiT; use one of {EMBEDDED_DATASETS} in pixel "
+            f"space, or vae=sd with a latent cache (mode=cache_latents)"
+        )
+    return load_arrays(data["name"], split, data.get("root"))
+
+
+def build_train_data(cfg: Mapping[str, Any]):
+    flip = bool(cfg["train"]["flip"])
+    if uses_vae(cfg):
+        path = cfg["data"].get("latents")
+        if not path:
+            raise ValueError(
+                "vae=sd trains on a latent cache: set data.latents=DIR (create it with "
+                "`python train_dit.py mode=cache_latents vae=sd data=... data.latents=DIR`)"
+            )
+        return read_latent_cache(path, flip=flip)
+    images, labels = load_pixel_arrays(cfg, "train")
+    return PixelData(pad_to(images, pixel_canvas(cfg)), labels, flip=flip)
+
+
+def build_codec(cfg: Mapping[str, Any], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Model space [B, C, h, w] -> images in [-1, 1] [B, C, H, W] at the data's size."""
+    if uses_vae(cfg):
+        from visattn.models.vae import load_sd_vae
+
+        vae = cfg["vae"]
+        codec = load_sd_vae(vae.get("path"), vae["repo"], float(vae["scale"]), device=device)
+        return codec.decode
+    size = int(cfg["data"]["image_size"])
+
+    def crop(x: torch.Tensor) -> torch.Tensor:
+        top = (x.shape[-1] - size) // 2
+        return x[..., top : top + size, top : top + size]
+
+    return crop
+
+
+class EpochBatches:
+    """This rank's batches of indices: a shuffled shard per epoch (deterministic in seed and epoch),
+    last partial batch dropped. ``epoch`` and ``taken`` (batches of that epoch already used) are
+    checkpointed, so a resumed run continues the same stream."""
+
+    def __init__(self, size: int, batch_size: int, dist: DistInfo, seed: int) -> None:
+        self.sampler = train_sampler(range(size), dist.rank, dist.world_size, seed)
+        self.batch_size = batch_size
+        if len(self.sampler) < batch_size:
+            raise ValueError(
+                f"per-rank batch {batch_size} is larger than this rank's share of the data ({len(self.sampler)}); "
+                f"lower train.batch_size"
+            )
+        self.epoch = 0
+        self.taken = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            order = torch.tensor(list(self.sampler), dtype=torch.long)
+            n_batches = len(order) // self.batch_size
+            while self.taken < n_batches:
+                start = self.taken * self.batch_size
+                self.taken += 1
+                yield order[start : start + self.batch_size]
+            self.epoch += 1
+            self.taken = 0
+
+
+def image_source(cfg: Mapping[str, Any]) -> tuple[Any, np.ndarray]:
+    """Training images uint8 [S, S, C] at data.image_size for the latent cache, indexable, and their
+    labels: embedded datasets centre-padded; an ImageNet-style folder through ADM's centre crop."""
+    data = cfg["data"]
+    size = int(data["image_size"])
+    if data["name"] == "imagefolder":
+        from torchvision.datasets import ImageFolder
+
+        from visattn.metrics import center_crop_arr
+
+        folder = ImageFolder(Path(data["root"]) / "train", transform=lambda im: center_crop_arr(im.convert("RGB"), size))
+        return _FirstItems(folder), np.asarray(folder.targets, dtype=np.int64)
+    images, labels = load_pixel_arrays(cfg, "train")
+    return pad_to(images, size), labels
+
+
+class _FirstItems:
+    """dataset[i][0] through slicing: ``view[a:b]`` -> stacked images of items a..b-1."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, items: slice) -> np.ndarray:
+        return np.stack([self.dataset[i][0] for i in range(*items.indices(len(self.dataset)))])

@@ -1,0 +1,124 @@
+"""DiT evaluation: the model's description for results.json, sampling + scoring with the EMA model,
+and the checkpoint loader of the sample / eval modes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import visattn
+from visattn.engine.checkpoints import (
+    EMA_WEIGHTS,
+    resolve_checkpoint,
+)
+from visattn.engine.distributed import (
+    DistInfo,
+    broadcast_object,
+)
+from visattn.engine.dit_data import build_codec
+from visattn.engine.dit_sampling import build_scorer, generate_all, save_samples
+from visattn.engine.dit_setup import build_diffusion, build_model, sample_settings
+from visattn.engine.results import (
+    Throughput,
+    count_params,
+    model_flops,
+)
+from visattn.models.dit import DiT
+from visattn.utils.checkpoint import load_weights
+
+log = logging.getLogger(__name__)
+
+
+def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[str, Any]:
+    """results.json fields that describe the model."""
+    active, total = visattn.active_heads(model)
+    shape = (1, model.in_channels, model.input_size, model.input_size)
+    x = torch.zeros(shape, device=dist.device)
+    t = torch.zeros(1, dtype=torch.long, device=dist.device)
+    y = torch.zeros(1, dtype=torch.long, device=dist.device)
+    return {
+        "task": "dit",
+        "attn": model.attn_name,
+        "preset": cfg["dit"]["preset"],
+        "seed": int(cfg["seed"]),
+        "active_heads": [active, total],
+        "active_ratio": active / total if total else None,
+        "params": count_params(model),
+        "flops_per_image": model_flops(model, x, t, y),
+    }
+
+
+def evaluate_model(
+    model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, scorer, save: bool
+) -> dict[str, Any]:
+    """Sample ``eval.num_samples`` images with ``model`` on every rank and score them on rank 0.
+    Returns (on every rank) the scores and what they were measured with."""
+    num_samples = int(cfg["eval"]["num_samples"])
+    decode = build_codec(cfg, dist.device)
+    settings = sample_settings(cfg)
+    timer = Throughput(dist.device)
+    timer.start()
+    diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
+    images = generate_all(model, diffusion, decode, settings, dist, num_samples, run_dir)
+    timer.stop(num_samples)
+    scores: dict[str, Any] = {}
+    if dist.is_main:
+        if save:
+            save_samples(run_dir, images, int(cfg["sample"]["grid"]))
+        scorer, reference = scorer
+        scores = scorer.score(images, reference)
+        scores.update({
+            "cfg_scale": float(settings["cfg_scale"]),
+            "guided_channels": settings.get("guided_channels"),
+            "sampling_steps": diffusion.num_timesteps,
+            "sampler": settings["sampler"],
+            "clip_denoised": settings["clip_denoised"],
+            "eval_images_per_s": timer.rate,
+        })
+    return broadcast_object(scores)
+
+
+def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
+    """The model of ``ckpt`` (its EMA weights when the file holds both), strictly."""
+    ckpt = cfg.get("ckpt")
+    if not ckpt:
+        raise ValueError("mode=sample / mode=eval need ckpt=PATH (a run dir, a checkpoint folder "
+                         "RUN_DIR/checkpoints/step-N, an ema.safetensors or an original DiT .pt)")
+    model = build_model(cfg)
+    if Path(ckpt).is_dir():  # a run dir or a checkpoint folder: its EMA weights
+        found = resolve_checkpoint(ckpt)
+        log.info("sampling with the EMA weights of %s (step %d)", found.path, found.step)
+        state = found.weights(EMA_WEIGHTS)
+    else:
+        state = load_weights(ckpt, prefer_ema=True)
+    if any(".wg" in k for k in state):
+        state = visattn.convert_moh_state_dict(state)
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval()
+
+
+def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+    model = load_for_sampling(cfg, dist.device)
+    num_samples = int(cfg["sample"]["num_samples"])
+    diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
+    images = generate_all(
+        model, diffusion, build_codec(cfg, dist.device), sample_settings(cfg), dist, num_samples, run_dir
+    )
+    if not dist.is_main:
+        return {}
+    path = save_samples(run_dir, images, int(cfg["sample"]["grid"]))
+    return {"samples": str(path), "num_samples": num_samples}
+
+
+def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+    model = load_for_sampling(cfg, dist.device)
+    scorer = build_scorer(cfg) if dist.is_main else None
+    results = run_info(model, cfg, dist)
+    results.update(evaluate_model(model, cfg, dist, run_dir, scorer, save=True))
+    return results

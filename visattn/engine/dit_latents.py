@@ -1,0 +1,48 @@
+"""``mode=cache_latents``: encode the training split with the SD VAE into ``data.latents``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from visattn.engine.distributed import (
+    DistInfo,
+)
+from visattn.engine.dit_data import image_source
+
+log = logging.getLogger(__name__)
+
+
+def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+    """Encode the training split with the SD VAE into ``data.latents`` (single process)."""
+    from visattn.data.latents import to_unit_range, write_latent_cache
+    from visattn.models.vae import load_sd_vae
+
+    out = cfg["data"].get("latents")
+    if not out:
+        raise ValueError("mode=cache_latents needs data.latents=DIR (where the shards go)")
+    vae_cfg = cfg["vae"]
+    vae = load_sd_vae(vae_cfg.get("path"), vae_cfg["repo"], float(vae_cfg["scale"]), device=dist.device)
+    rgb = vae.autoencoder.config.in_channels == 3
+    images, labels = image_source(cfg)
+    if cfg["cache"].get("max_images"):
+        labels = labels[: int(cfg["cache"]["max_images"])]
+    batch = int(cfg["cache"]["batch_size"])
+
+    def batches():
+        for start in tqdm(range(0, len(labels), batch), desc="encoding"):
+            x = to_unit_range(torch.from_numpy(np.ascontiguousarray(images[start : start + batch])))
+            if rgb and x.shape[1] == 1:
+                x = x.expand(-1, 3, -1, -1)
+            yield x.to(dist.device), torch.from_numpy(np.asarray(labels[start : start + batch]))
+
+    meta = {"data": cfg["data"]["name"], "image_size": int(cfg["data"]["image_size"])}
+    paths = write_latent_cache(out, batches(), vae.encode_moments, vae.scale, int(cfg["cache"]["shard_size"]), meta)
+    return {"latents": str(out), "shards": len(paths), "images": int(len(labels))}

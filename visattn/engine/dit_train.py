@@ -1,0 +1,225 @@
+"""DiT training loop (``mode=train``): AdamW at a constant lr, EMA, hybrid diffusion loss + beta *
+MoH load-balancing loss, DDP under torchrun, the non-finite guard, checkpoints (``checkpoints``),
+preemption, then head load and the final sampling + scoring with the EMA model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+import visattn
+from visattn.data.sources import class_names
+from visattn.diffusion import GaussianDiffusion, conditional_fn
+from visattn.engine.amp import choose_amp
+from visattn.engine.checkpoints import (
+    EMA_WEIGHTS,
+    MODEL_WEIGHTS,
+    Checkpoint,
+    checkpoint_to_resume,
+    save_checkpoint,
+)
+from visattn.engine.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    broadcast_module,
+)
+from visattn.engine.dit_data import EpochBatches, build_train_data
+from visattn.engine.dit_eval import evaluate_model, run_info
+from visattn.engine.dit_sampling import build_scorer
+from visattn.engine.dit_setup import build_diffusion, build_model
+from visattn.engine.ema import ModelEMA, unwrap_model
+from visattn.engine.guard import NonFiniteGuard, cause_hint, require_finite
+from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
+from visattn.engine.launch import seed_everything
+from visattn.engine.preempt import StopSignal
+from visattn.engine.results import (
+    Throughput,
+    write_json,
+)
+from visattn.engine.runlog import MetricsLogger
+from visattn.engine.step import StepGate, clip_and_norm
+from visattn.utils.checkpoint import rng_state, set_rng_state
+
+log = logging.getLogger(__name__)
+
+
+def save_training_checkpoint(
+    run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
+    guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None,
+) -> None:
+    """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
+    position, every rank's RNG, the guard's counts and ``extra``, e.g. fid_step0); rank 0 writes.
+    Non-finite weights are refused on every rank before anything is written."""
+    weights = {MODEL_WEIGHTS: unwrap_model(model).state_dict(), EMA_WEIGHTS: ema.state_dict()}
+    for name, tensors in weights.items():
+        require_finite(tensors, name, step)
+    rngs = all_gather_object(rng_state())
+    if dist.is_main:
+        save_checkpoint(run_dir, step, weights, {
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "data_position": [batches.epoch, batches.taken],
+            "rng": rngs,
+            "guard": guard.state_dict(),
+            "extra": dict(extra or {}),
+        })
+    barrier()
+
+
+def restore_training_checkpoint(
+    found: Checkpoint, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo,
+    guard: NonFiniteGuard,
+) -> tuple[int, dict[str, Any]]:
+    """Load what ``save_training_checkpoint`` wrote; returns (step, extra)."""
+    state = found.state()
+    unwrap_model(model).load_state_dict(found.weights(MODEL_WEIGHTS))
+    ema.load_state_dict(found.weights(EMA_WEIGHTS))
+    opt.load_state_dict(state["optimizer"])
+    guard.load_state_dict(state.get("guard"))
+    batches.epoch, batches.taken = (int(v) for v in state["data_position"])
+    rngs = state["rng"]
+    if len(rngs) == dist.world_size:
+        set_rng_state(rngs[dist.rank])
+    else:
+        log.warning("checkpoint has RNG states of %d ranks, this run has %d: RNG not restored", len(rngs), dist.world_size)
+    return int(state["step"]), dict(state.get("extra", {}))
+
+
+def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal) -> dict[str, Any]:
+    tcfg = cfg["train"]
+    seed = int(cfg["seed"])
+    seed_everything(seed * 1000)
+    data = build_train_data(cfg)
+    model = build_model(cfg).to(dist.device)
+    broadcast_module(model)  # every rank starts from rank 0's weights, before the EMA copies them
+    if dist.rank:
+        seed_everything(seed * 1000 + dist.rank)  # label dropout, flips, t and noise differ per rank
+    if tuple(data.sample_shape) != (model.in_channels, model.input_size, model.input_size):
+        raise ValueError(f"data samples are {tuple(data.sample_shape)} but the model takes "
+                         f"{(model.in_channels, model.input_size, model.input_size)}; check data/vae settings")
+    diffusion = build_diffusion(cfg, model.learn_sigma)
+    ema = ModelEMA(model, float(tcfg["ema_decay"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=float(tcfg["lr"]), weight_decay=float(tcfg["weight_decay"]))
+    global_batch = int(tcfg["batch_size"])
+    if global_batch % dist.world_size:
+        raise ValueError(f"train.batch_size={global_batch} is not divisible by the {dist.world_size} processes")
+    batches = EpochBatches(len(data), global_batch // dist.world_size, dist, seed)
+    info = run_info(model, cfg, dist)
+    log.info("%s: %.2fM parameters, %d/%d heads active, %d training images",
+             cfg["dit"]["preset"], info["params"] / 1e6, *info["active_heads"], len(data))
+
+    guard = NonFiniteGuard(int(tcfg["max_nonfinite_steps"]),
+                           cause_hint(float(tcfg["lr"]), str(tcfg["amp"]), cfg["data"]["name"]))
+    step = 0
+    results: dict[str, Any] = {}
+    found = checkpoint_to_resume(cfg.get("resume"), run_dir)
+    if found is not None:
+        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard)
+        results.update(extra)
+        log.info("resumed from %s at step %d", found.path, step)
+    metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
+    metrics.drop_after(step)
+
+    scorer = build_scorer(cfg) if cfg["eval"]["enabled"] and dist.is_main else None
+    if step == 0 and cfg["eval"]["enabled"] and cfg["eval"]["fid_step0"]:
+        scores = evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=False)
+        if dist.is_main:
+            results["fid_step0"] = scores["fid"]
+            log.info("step 0: FID %.2f", scores["fid"])
+
+    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
+        if dist.distributed else model
+    model.train()
+    total_steps = int(tcfg["steps"])
+    aux_weight = float(tcfg["aux_loss_weight"])
+    amp = choose_amp(tcfg["amp"], dist.device)
+    autocast = amp.autocast(dist.device)
+    gate = StepGate(guard, stop, dist.device)
+    timer = Throughput(dist.device)
+    stream = iter(batches)
+    running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
+    t_start = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
+    with stop.deferred():  # a stop signal is acted on after the step it arrives in
+        while step < total_steps:
+            timer.start()
+            x, y = data.batch(next(stream))
+            x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
+            t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
+            with autocast:
+                terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
+                diffusion_loss = terms["loss"].mean()
+                aux = visattn.aux_loss(model)
+                loss = diffusion_loss + aux_weight * aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
+            apply, stop_now = gate.decide(step, loss, norm)
+            if apply:
+                opt.step()
+                ema.update(model)
+            timer.stop(x.shape[0] * dist.world_size)
+            step += 1
+            if apply:
+                running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
+                                        torch.ones((), device=dist.device)])
+            bar.update(1)
+            if step % int(tcfg["log_every"]) == 0 or step == total_steps:
+                loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
+                loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
+                running.zero_()
+                row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
+                       "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
+                metrics.log(row)
+                bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
+            if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
+                save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results)
+            if stop_now:
+                bar.close()
+                metrics.close()
+                raise stop.preempted(step)
+    bar.close()
+    metrics.close()
+    train_seconds = time.perf_counter() - t_start
+    results.update(info)
+    results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds,
+                    "skipped_steps": guard.skipped, **amp.record()})
+    active, total = info["active_heads"]
+    if active < total:  # as in classification: only models that select heads per token have a load
+        load = measure_head_load(ema.module, data, diffusion, cfg, dist)
+        if dist.is_main:
+            write_json(run_dir / HEAD_LOAD_FILE, load)
+    if cfg["eval"]["enabled"]:
+        results.update(evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=True))
+    return results
+
+
+@torch.no_grad()
+def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg: Mapping[str, Any], dist: DistInfo):
+    """``head_load.json`` content: per layer and class, the fraction of tokens that used each head,
+    over the first ``eval.head_load_images`` training examples noised at seeded random steps."""
+    meter = HeadLoadMeter(model, model.num_classes, dist.device)
+    n = min(len(data), int(cfg["eval"]["head_load_images"]))
+    indices = torch.arange(dist.rank, n, dist.world_size)
+    gen = torch.Generator().manual_seed(int(cfg["seed"]))
+    model.eval()
+    with torch.random.fork_rng(devices=[]):  # data.batch draws flips / posterior noise: keep training's RNG
+        for chunk in indices.split(int(cfg["sample"]["batch_size"])):
+            x, y = data.batch(chunk)
+            t = torch.randint(0, diffusion.num_timesteps, (len(chunk),), generator=gen)
+            x_t = diffusion.q_sample(x, t, torch.randn(x.shape, generator=gen))
+            model(x_t.to(dist.device), t.to(dist.device), y.to(dist.device))
+            meter.update(y.to(dist.device))
+    return meter.reduce(class_names(cfg["data"]["name"], int(cfg["data"]["num_classes"])))
