@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import visattn.models  # noqa: F401  (registers the visattn_* timm models)
 from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
 from visattn.data.datasets import check_data_config
+from visattn.models.budgets import apply_budget
 from visattn.utils.checkpoint import load_weights
 
 from .amp import normalize_amp
@@ -37,40 +38,23 @@ def budget_name(cfg: DictConfig) -> str:
 
 
 def attn_spec(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg.attn`` with the head budget's per-layer values merged in: ``{"name": ..., **kwargs}``.
-
-    A budget may only set keys that the chosen attention's config declares (conf/attn/<name>.yaml).
-    """
-    spec = dict(plain(cfg.attn))
-    budget = dict(plain(cfg.get("budget") or {}))
-    budget.pop("name", None)
-    budget.pop("num_heads", None)
-    for key, value in budget.items():
-        if value is None:
-            continue
-        if key not in spec:
-            raise ValueError(
-                f"budget={budget_name(cfg)} sets {key}={value}, but attn={spec['name']} has no {key} "
-                f"(conf/attn/{spec['name']}.yaml); use attn=moh (or another routed attention) or budget=none"
-            )
-        spec[key] = value
-    return spec
+    """``cfg.attn`` with the head budget applied: ``{"name": ..., **kwargs}``."""
+    return model_kwargs(cfg)["attn"]
 
 
 def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    """Keywords for ``timm.create_model(cfg.model.name, **kwargs)``."""
-    kwargs = dict(plain(cfg.model.get("kwargs") or {}))
-    heads = (cfg.get("budget") or {}).get("num_heads")
-    if heads is not None:
-        kwargs["num_heads"] = plain(heads)
-    return dict(
-        attn=attn_spec(cfg),
+    """Keywords for ``timm.create_model(cfg.model.name, **kwargs)``, the head budget applied
+    (``visattn.models.budgets``: the one home of budgets, shared with DiT). A budget may only set
+    routing keys that the chosen attention's config declares (conf/attn/<name>.yaml)."""
+    kwargs = dict(
+        attn=plain(cfg.attn),
         num_classes=cfg.data.num_classes,
         in_chans=cfg.data.in_chans,
         img_size=cfg.data.image_size,
         drop_path_rate=cfg.model.drop_path_rate,
-        **kwargs,
+        **plain(cfg.model.get("kwargs") or {}),
     )
+    return apply_budget(kwargs, plain(cfg.get("budget")), declared_only=True)
 
 
 def build_cls_model(cfg: DictConfig) -> nn.Module:

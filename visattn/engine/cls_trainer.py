@@ -24,8 +24,9 @@ from tqdm import tqdm
 
 from visattn.attention import active_heads, aux_loss
 from visattn.data.datasets import build_datasets
+from visattn.data.images import skipped_files
 from visattn.data.loaders import build_loaders, build_mixup
-from visattn.data.sources import class_names
+from visattn.data.registry import class_names
 from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
 
 from .amp import choose_amp
@@ -317,6 +318,8 @@ class ClsRun:
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), "wall_time_s": time.perf_counter() - self.t0,
             "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
+            # data.bad_images=skip: what this process left out (each rank verifies and skips alike)
+            "skipped_files": skipped_files(self.train_set, self.val_set),
         }
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,11 +13,10 @@ import torch
 
 from visattn.data.latents import PixelData, pad_to, read_latent_cache
 from visattn.data.loaders import train_sampler
-from visattn.data.sources import load_arrays
+from visattn.data.registry import array_dataset_names, is_array_dataset, load_arrays
 from visattn.engine.distributed import (
     DistInfo,
 )
-from visattn.engine.dit_sampling import EMBEDDED_DATASETS
 from visattn.engine.dit_setup import pixel_canvas, uses_vae
 
 log = logging.getLogger(__name__)
@@ -26,9 +24,9 @@ log = logging.getLogger(__name__)
 
 def load_pixel_arrays(cfg: Mapping[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
     data = cfg["data"]
-    if data["name"] not in EMBEDDED_DATASETS:
+    if not is_array_dataset(data["name"]):
         raise ValueError(
-            f"data={data['name']} has no in-memory pixel loader for DiT; use one of {EMBEDDED_DATASETS} in pixel "
+            f"data={data['name']} has no in-memory pixel loader for DiT; use one of {array_dataset_names()} in pixel "
             f"space, or vae=sd with a latent cache (mode=cache_latents)"
         )
     return load_arrays(data["name"], split, data.get("root"))
@@ -100,11 +98,11 @@ def image_source(cfg: Mapping[str, Any]) -> tuple[Any, np.ndarray]:
     data = cfg["data"]
     size = int(data["image_size"])
     if data["name"] == "imagefolder":
-        from torchvision.datasets import ImageFolder
-
+        from visattn.data.datasets import build_imagefolder_split
         from visattn.metrics import center_crop_arr
 
-        folder = ImageFolder(Path(data["root"]) / "train", transform=lambda im: center_crop_arr(im.convert("RGB"), size))
+        # data.bad_images / data.verify_train apply; the loader hands over RGB images
+        folder = build_imagefolder_split(data, "train", lambda im: center_crop_arr(im, size))
         return _FirstItems(folder), np.asarray(folder.targets, dtype=np.int64)
     images, labels = load_pixel_arrays(cfg, "train")
     return pad_to(images, size), labels

@@ -19,6 +19,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from visattn.data.latents import to_uint8
+from visattn.data.registry import domain_extractor, is_array_dataset
 from visattn.diffusion import GaussianDiffusion, sample_generators, sample_loop, sampling_fn
 from visattn.engine.distributed import DistInfo, barrier
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, dataset_images, save_npz_batch
@@ -26,7 +27,6 @@ from visattn.utils.checkpoint import atomic_write_bytes
 
 SAMPLES_FILE = "samples.npz"
 GRID_FILE = "samples.png"
-EMBEDDED_DATASETS = ("digits", "fashion_mnist")
 
 
 def sample_labels(seed: int, indices: list[int], num_classes: int) -> torch.Tensor:
@@ -127,7 +127,7 @@ def extractor_name(cfg: Mapping[str, Any]) -> str:
     name = cfg["eval"].get("extractor")
     if name:
         return name
-    return cfg["data"]["name"] if cfg["data"]["name"] in EMBEDDED_DATASETS else "inception"
+    return domain_extractor(cfg["data"]["name"]) or "inception"
 
 
 def build_scorer(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -140,7 +140,7 @@ def build_scorer(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
     reference = ecfg.get("reference")
     if not reference:
         data = cfg["data"]
-        if data["name"] not in EMBEDDED_DATASETS:
+        if not is_array_dataset(data["name"]):
             raise ValueError(f"data={data['name']}: give eval.reference=REF.npz (an ADM reference batch) to score samples")
         reference = dataset_images(data["name"], ecfg["reference_split"], root=data.get("root"))
     return scorer, scorer.reference_stats(reference)

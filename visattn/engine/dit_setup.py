@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from visattn.data.registry import array_dataset_names, is_array_dataset
 from visattn.diffusion import GaussianDiffusion
 from visattn.diffusion.sampling import SAMPLERS
 from visattn.diffusion.schedule import space_timesteps
 from visattn.engine.amp import normalize_amp
-from visattn.engine.dit_sampling import EMBEDDED_DATASETS
 from visattn.metrics import GenerationScorer
-from visattn.models.dit import DiT, create_dit
+from visattn.models.budgets import apply_budget
+from visattn.models.dit import DiT, dit_preset_config
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,17 @@ def build_model(cfg: Mapping[str, Any]) -> DiT:
     attn = attention_override(cfg)
     if attn is not None:
         overrides["attn"] = attn
-    return create_dit(dit["preset"], **overrides)
+    kwargs = dit_preset_config(dit["preset"], **overrides)
+    return DiT(**apply_budget(kwargs, cfg.get("budget"), depth=kwargs["depth"], declared_only=True))
 
 
 def build_diffusion(cfg: Mapping[str, Any], learn_sigma: bool) -> GaussianDiffusion:
     diffusion = cfg["diffusion"]
     if diffusion["schedule"] != "linear":
         raise ValueError(f"diffusion.schedule={diffusion['schedule']!r} is not known; use linear")
-    return GaussianDiffusion.linear(int(diffusion["timesteps"]), learn_sigma)
+    return GaussianDiffusion.linear(
+        int(diffusion["timesteps"]), learn_sigma, sigma_small=bool(diffusion.get("sigma_small", False))
+    )
 
 
 def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -193,9 +197,9 @@ def validate_dit_config(cfg: Mapping[str, Any], world_size: int = 1) -> dict[str
             raise FileNotFoundError(f"ckpt={ckpt} does not exist; give a run dir, a checkpoint folder or a weight file")
     if mode == "train":
         _check_training(cfg, world_size)
-    if not uses_vae(cfg) and mode != "cache_latents" and cfg["data"]["name"] not in EMBEDDED_DATASETS:
+    if not uses_vae(cfg) and mode != "cache_latents" and not is_array_dataset(cfg["data"]["name"]):
         raise ValueError(f"data={cfg['data']['name']} has no in-memory pixel loader for DiT; use one of "
-                         f"{EMBEDDED_DATASETS} in pixel space, or vae=sd with a latent cache (mode=cache_latents)")
+                         f"{array_dataset_names()} in pixel space, or vae=sd with a latent cache (mode=cache_latents)")
     scoring = mode == "eval" or (mode == "train" and bool(cfg["eval"]["enabled"]))
     if mode != "cache_latents":
         _check_sampling(cfg, geometry["in_channels"], scoring)
