@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
@@ -35,15 +36,29 @@ def _grid_size(size, what: str = "grid_size") -> GridSize:
 
 
 def _axis_offsets(
-    query_len: int, key_len: int, pretrain_len: int, ref: torch.Tensor
+    query_len: int, key_len: int, pretrain_len: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-spaced offsets along one axis: unique values [U] and index [query_len, key_len] into them."""
-    axis_q = torch.arange(query_len, dtype=torch.float32, device=ref.device)
-    axis_k = F.adaptive_avg_pool1d(axis_q[None], key_len)[0]  # pooled keys sit at their cells' mean
-    offsets = (axis_q[:, None] - axis_k[None, :]) / max(pretrain_len - 1, 1) * 8.0
-    values, index = torch.unique(offsets.flatten(), sorted=True, return_inverse=True)
-    values = torch.sign(values) * torch.log2(values.abs() + 1.0) / 3.0  # / log2(8)
-    return values, index.view(query_len, key_len)
+    """Log-spaced offsets along one axis: unique values [U] and index [query_len, key_len] into them.
+
+    Keys sit at the mean position of the query cells they pool (adaptive average pooling). When the
+    pooling is uniform (``query_len % key_len == 0``, always in TransNeXt) the offsets are a run of
+    integers shifted by half a bin and no ``torch.unique`` is needed (static shapes for
+    ``torch.compile``; works on the meta device).
+    """
+    if query_len % key_len == 0:
+        ratio = query_len // key_len
+        lowest = -(key_len - 1) * ratio
+        offsets = torch.arange(lowest, query_len, dtype=torch.float32, device=device) - (ratio - 1) / 2
+        q = torch.arange(query_len, device=device)
+        index = q[:, None] - torch.arange(key_len, device=device)[None, :] * ratio - lowest
+    else:
+        cpu = torch.device("cpu")
+        axis_q = torch.arange(query_len, dtype=torch.float32, device=cpu)
+        axis_k = F.adaptive_avg_pool1d(axis_q[None], key_len)[0]
+        offsets, index = torch.unique((axis_q[:, None] - axis_k[None, :]).flatten(), sorted=True, return_inverse=True)
+        offsets, index = offsets.to(device), index.view(query_len, key_len).to(device)
+    offsets = offsets / max(pretrain_len - 1, 1) * 8.0
+    return torch.sign(offsets) * torch.log2(offsets.abs() + 1.0) / 3.0, index  # / log2(8)
 
 
 @register_notrace_function  # a leaf for torch.fx: the grid sizes are runtime ints
@@ -65,12 +80,15 @@ def relative_coords_index(
             "with the key grid no larger than the query grid (keys are pooled queries)"
         )
     ph, pw = (qh, qw) if pretrain_size is None else pretrain_size
-    rows, row_index = _axis_offsets(qh, kh, ph, ref)
-    cols, col_index = _axis_offsets(qw, kw, pw, ref)
+    rows, row_index = _axis_offsets(qh, kh, ph, ref.device)
+    cols, col_index = _axis_offsets(qw, kw, pw, ref.device)
     table = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).view(-1, 2)
     # every (row offset, column offset) pair occurs, so the table is their product in (row, column) order
     index = row_index[:, None, :, None] * cols.shape[0] + col_index[None, :, None, :]
     return table, index.reshape(qh * qw, kh * kw)
+
+
+torch.fx.wrap("relative_coords_index")  # a leaf for plain torch.fx.symbolic_trace too
 
 
 def log_spaced_relative_coords(
