@@ -22,7 +22,6 @@ pretrained_cfg_overlay=dict(file=PATH))`` loads a released (or our) checkpoint t
 work as for timm's own hierarchical models.
 """
 
-from __future__ import annotations
 
 import logging
 import math
