@@ -73,7 +73,7 @@ def test_moh_means_cosine_attention_routed_in_every_stage():
         model = TransNeXt(
             **TOY, attn={"name": "moh", "shared_heads": None, "routed_topk": None, "gate": "soft"}
         )
-    mixers = [block.attn for blocks in model.stages for block in blocks]
+    mixers = [block.attn for stage in model.stages for block in stage.blocks]
     assert [type(m).__name__ for m in mixers] == ["AggregatedAttention"] * 3 + ["CosineAttention"]
     assert all(m.router is not None for m in mixers)
     with pytest.raises(ValueError, match="stage 1 .*routed_topk=3"):
@@ -90,10 +90,8 @@ def test_same_weights_run_at_several_input_sizes():
         again = model(images[..., :32, :32])
     assert small.shape == large.shape == (2, 5)
     assert torch.isfinite(large).all()
-    torch.testing.assert_close(again, small)  # cached tables of the other size do not leak in
-    last = model.stages[-1][0].attn
-    assert last.grid_size == (1, 1)
-    assert {key[:2] for key in last.cpb._coords} == {((2, 3), (2, 3)), ((1, 1), (1, 1))}
+    torch.testing.assert_close(again, small)  # tables of the other size do not leak in
+    assert model.stages[-1].blocks[0].attn.grid_size is None  # the grid goes with each call, no state
     with pytest.raises(ValueError, match="multiples of 32"):
         model(torch.randn(1, 3, 48, 64))
     latents = TransNeXt(**TOY, in_chans=4)  # as a backbone on 32 x 32 SD latents
@@ -173,7 +171,7 @@ def test_moh_with_every_head_shared_is_the_dense_mixer_with_soft_head_weights(ki
     x = torch.randn(2, 16, 96)
     weights = F.softmax(moh.router.shared(x), dim=-1) * heads
     q, k, v = dense.project_qkv(x)
-    per_head = dense.aggregate(x, q, k, v) if kind == "aggregated" else dense.attend(q, k, v)
+    per_head = dense.aggregate(x, q, k, v, grid) if kind == "aggregated" else dense.attend(q, k, v)
     expected = dense.merge_heads(x, per_head, weights)
     torch.testing.assert_close(moh(x), expected)
     assert not torch.allclose(expected, dense(x))  # the soft weights do change the output
@@ -200,16 +198,16 @@ def test_micro_model_trains_one_step_at_64px_with_moh():
 def test_no_weight_decay_lists_the_attention_parameters_only():
     model = TransNeXt(**TOY)
     names = model.no_weight_decay()
-    assert "stages.0.0.attn.local_bias" in names and "stages.0.0.attn.query_embedding" in names
-    assert "stages.3.0.attn.temperature" in names
-    assert "stages.3.0.attn.cpb.fc1.weight" in names
+    assert "stages.0.blocks.0.attn.local_bias" in names and "stages.0.blocks.0.attn.query_embedding" in names
+    assert "stages.3.blocks.0.attn.temperature" in names
+    assert "stages.3.blocks.0.attn.cpb.fc1.weight" in names
     decayed = {"qkv.weight", "proj.weight", "learnable_tokens", "mlp.fc1.weight", "sr.weight"}
     assert not any(name.endswith(tuple(decayed)) for name in names)
     groups = param_groups_weight_decay(model, 0.05, no_weight_decay_list=names)  # what the trainer uses
     undecayed = {id(p) for group in groups if group["weight_decay"] == 0 for p in group["params"]}
     params = dict(model.named_parameters())
     assert all(id(params[name]) in undecayed for name in names)
-    assert id(params["stages.0.0.attn.learnable_tokens"]) not in undecayed
+    assert id(params["stages.0.blocks.0.attn.learnable_tokens"]) not in undecayed
 
 
 def test_released_transnext_keys_map_onto_ours():
@@ -232,21 +230,25 @@ def test_released_transnext_keys_map_onto_ours():
     converted = convert_transnext_state_dict(released)
     assert sorted(converted) == sorted(
         [
-            "patch_embeds.1.proj.weight",
-            "stages.0.0.attn.qkv.weight",
-            "stages.0.0.attn.local_bias",
-            "stages.0.0.attn.pool_norm.weight",
-            "stages.0.0.mlp.dwconv.weight",
-            "stages.2.0.attn.router.routed.weight",
-            "stages.3.0.attn.cpb.fc1.weight",
-            "stage_norms.3.weight",
+            "stages.1.patch_embed.proj.weight",
+            "stages.0.blocks.0.attn.qkv.weight",
+            "stages.0.blocks.0.attn.local_bias",
+            "stages.0.blocks.0.attn.pool_norm.weight",
+            "stages.0.blocks.0.mlp.dwconv.weight",
+            "stages.2.blocks.0.attn.router.routed.weight",
+            "stages.3.blocks.0.attn.cpb.fc1.weight",
+            "stages.3.norm.weight",
         ]
     )
-    torch.testing.assert_close(converted["stages.0.0.attn.qkv.weight"], torch.cat([q, kv]))
+    torch.testing.assert_close(converted["stages.0.blocks.0.attn.qkv.weight"], torch.cat([q, kv]))
     _, unexpected = model.load_state_dict(converted, strict=False)  # shapes fit, names exist
     assert unexpected == []
     with pytest.raises(ValueError, match="only"):
         convert_transnext_state_dict({"block1.0.attn.q.weight": q})
+    old_layout = {"patch_embeds.0.proj.weight": q, "stages.2.1.attn.qkv.weight": kv, "stage_norms.3.bias": q}
+    assert sorted(convert_transnext_state_dict(old_layout)) == [  # earlier visattn checkpoints
+        "stages.0.patch_embed.proj.weight", "stages.2.blocks.1.attn.qkv.weight", "stages.3.norm.bias"
+    ]
 
 
 def test_swap_attention_refuses_transnext_mixers():

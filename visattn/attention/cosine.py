@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from .base import HeadAttention
 from .registry import register_attention
@@ -33,62 +35,125 @@ def _grid_size(size, what: str = "grid_size") -> GridSize:
     return int(size[0]), int(size[1])
 
 
-def log_spaced_relative_coords(
-    query_size: GridSize, key_size: GridSize | None = None, device=None
+def _axis_offsets(
+    query_len: int, key_len: int, pretrain_len: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique 2-D offsets between a query grid and a key grid, log-spaced.
+    """Log-spaced offsets along one axis: unique values [U] and index [query_len, key_len] into them.
+
+    Keys sit at the mean position of the query cells they pool (adaptive average pooling). When the
+    pooling is uniform (``query_len % key_len == 0``, always in TransNeXt) the offsets are a run of
+    integers shifted by half a bin and no ``torch.unique`` is needed (static shapes for
+    ``torch.compile``; works on the meta device).
+    """
+    if query_len % key_len == 0:
+        ratio = query_len // key_len
+        lowest = -(key_len - 1) * ratio
+        offsets = torch.arange(lowest, query_len, dtype=torch.float32, device=device) - (ratio - 1) / 2
+        q = torch.arange(query_len, device=device)
+        index = q[:, None] - torch.arange(key_len, device=device)[None, :] * ratio - lowest
+    else:
+        cpu = torch.device("cpu")
+        axis_q = torch.arange(query_len, dtype=torch.float32, device=cpu)
+        axis_k = F.adaptive_avg_pool1d(axis_q[None], key_len)[0]
+        offsets, index = torch.unique((axis_q[:, None] - axis_k[None, :]).flatten(), sorted=True, return_inverse=True)
+        offsets, index = offsets.to(device), index.view(query_len, key_len).to(device)
+    offsets = offsets / max(pretrain_len - 1, 1) * 8.0
+    return torch.sign(offsets) * torch.log2(offsets.abs() + 1.0) / 3.0, index  # / log2(8)
+
+
+@register_notrace_function  # a leaf for torch.fx: the grid sizes are runtime ints
+def relative_coords_index(
+    ref: torch.Tensor,
+    query_size: tuple[int, int],
+    key_size: tuple[int, int],
+    pretrain_size: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offset table ``[T, 2]`` (float32, on ``ref``'s device) and index ``[Hq*Wq, Hk*Wk]`` (long) into it.
+
+    See ``log_spaced_relative_coords``; the index here keeps its (query, key) shape.
+    """
+    qh, qw = query_size
+    kh, kw = key_size
+    if qh < 1 or qw < 1 or kh < 1 or kw < 1 or kh > qh or kw > qw:
+        raise ValueError(
+            "query_size=" + str(query_size) + " and key_size=" + str(key_size) + " must be positive, "
+            "with the key grid no larger than the query grid (keys are pooled queries)"
+        )
+    ph, pw = (qh, qw) if pretrain_size is None else pretrain_size
+    rows, row_index = _axis_offsets(qh, kh, ph, ref.device)
+    cols, col_index = _axis_offsets(qw, kw, pw, ref.device)
+    table = torch.stack(torch.meshgrid(rows, cols, indexing="ij"), dim=-1).view(-1, 2)
+    # every (row offset, column offset) pair occurs, so the table is their product in (row, column) order
+    index = row_index[:, None, :, None] * cols.shape[0] + col_index[None, :, None, :]
+    return table, index.reshape(qh * qw, kh * kw)
+
+
+torch.fx.wrap("relative_coords_index")  # a leaf for plain torch.fx.symbolic_trace too
+
+
+def log_spaced_relative_coords(
+    query_size: GridSize,
+    key_size: GridSize | None = None,
+    pretrain_size: GridSize | None = None,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique 2-D offsets between a query grid and a key grid, log-spaced as TransNeXt / MoH-ViT do.
 
     The key grid covers the same area as the query grid; a smaller key grid (pooled keys) sits at the
-    average positions of the query cells it pools. Offsets are in query-grid cells, mapped by
-    ``sign(d) * log2(1 + |d|) / 3`` so the same distance gives the same coordinate at any resolution.
+    average positions of the query cells it pools. Offsets in query-grid cells are scaled by
+    ``8 / (P - 1)`` per axis, ``P`` the query grid of pre-training (``pretrain_size``; default the query
+    grid itself, as the release does when ``pretrain_size`` is not given), so the longest offset seen in
+    pre-training is 8, then mapped by ``sign(d) * log2(1 + |d|) / log2(8)`` (into [-1, 1] at that size).
+    An axis of length 1 in ``pretrain_size`` (where the release divides by zero) counts as scale 8.
 
     Returns ``table [T, 2]`` (float32) and ``index [Nq * Nk]`` (long) with
     ``table[index].view(Nq, Nk, 2)`` the offset of every (query, key) pair.
     """
     query_size = _grid_size(query_size, "query_size")
     key_size = query_size if key_size is None else _grid_size(key_size, "key_size")
-    axes_q = [torch.arange(s, dtype=torch.float32, device=device) for s in query_size]
-    axes_k = [
-        ax if s == len(ax) else F.adaptive_avg_pool1d(ax[None], s)[0] for ax, s in zip(axes_q, key_size, strict=True)
-    ]
-    coords_q = torch.stack(torch.meshgrid(*axes_q, indexing="ij"), dim=-1).view(-1, 2)
-    coords_k = torch.stack(torch.meshgrid(*axes_k, indexing="ij"), dim=-1).view(-1, 2)
-    offsets = (coords_q[:, None] - coords_k[None]).view(-1, 2)
-    table, index = torch.unique(offsets, dim=0, return_inverse=True)
-    table = torch.sign(table) * torch.log2(1.0 + table.abs()) / 3.0
-    return table, index
+    pretrain_size = None if pretrain_size is None else _grid_size(pretrain_size, "pretrain_size")
+    ref = torch.empty(0, device=device)
+    table, index = relative_coords_index(ref, query_size, key_size, pretrain_size)
+    return table, index.flatten()
 
 
 class ContinuousPositionBias(nn.Module):
     """Per-head bias from an MLP over log-spaced offsets: (query_size, key_size) -> [heads, Nq, Nk].
 
-    Offset tables are computed once per (query size, key size, device) and cached on the instance,
-    so one module serves any input resolution.
+    ``pretrain_size``: the (H, W) query grid of pre-training that offsets are scaled by (see
+    ``log_spaced_relative_coords``); None = the query grid met at run time (the release's default).
+    Give the pre-training grid to run released weights at another input size. The offset table is
+    rebuilt per call (per-axis work, small next to the MLP), so one module serves any resolution and
+    scripts / traces without a cache.
     """
 
-    def __init__(self, num_heads: int, hidden: int = 512, device=None, dtype=None) -> None:
+    def __init__(
+        self, num_heads: int, hidden: int = 512, pretrain_size: GridSize | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
+        self.pretrain_size: GridSize | None = (
+            None if pretrain_size is None else _grid_size(pretrain_size, "pretrain_size")
+        )
         self.fc1 = nn.Linear(2, hidden, **dd)
         self.act = nn.ReLU()
         self.fc2 = nn.Linear(hidden, num_heads, **dd)
-        self._coords: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def coords(self, query_size: GridSize, key_size: GridSize | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached ``log_spaced_relative_coords`` on this module's device."""
-        device = self.fc1.weight.device
-        key = (tuple(query_size), tuple(key_size or query_size), device)
-        if key not in self._coords:
-            self._coords[key] = log_spaced_relative_coords(query_size, key_size, device=device)
-        return self._coords[key]
+        """``log_spaced_relative_coords`` with this module's pre-training grid, on its device."""
+        return log_spaced_relative_coords(query_size, key_size, self.pretrain_size, device=self.fc1.weight.device)
 
-    def forward(self, query_size: GridSize, key_size: GridSize | None = None) -> torch.Tensor:
+    def forward(self, query_size: tuple[int, int], key_size: tuple[int, int] | None = None) -> torch.Tensor:
         """-> bias [heads, Hq*Wq, Hk*Wk]."""
-        table, index = self.coords(query_size, key_size)
+        if key_size is None:
+            key_size = query_size
+        table, index = relative_coords_index(self.fc1.weight, query_size, key_size, self.pretrain_size)
         per_offset = self.fc2(self.act(self.fc1(table.to(self.fc1.weight.dtype))))  # [T, heads]
-        nq = query_size[0] * query_size[1]
-        return per_offset.t()[:, index].view(self.num_heads, nq, -1)
+        return per_offset.t()[:, index]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, pretrain_size={self.pretrain_size}"
 
 
 @register_attention("cosine")
@@ -100,6 +165,8 @@ class CosineAttention(HeadAttention):
             Change it per input size with ``set_grid_size``.
         position_bias: build the continuous position bias MLP (False: never any bias).
         cpb_hidden: hidden width of that MLP (512 in TransNeXt / MoH-ViT).
+        pretrain_size: (H, W) token grid of pre-training, which scales the bias's offsets (see
+            ``ContinuousPositionBias``); None = the grid met at run time.
         temperature_init: initial softplus(temperature) per head.
     """
 
@@ -113,6 +180,7 @@ class CosineAttention(HeadAttention):
         grid_size: GridSize | None = None,
         position_bias: bool = True,
         cpb_hidden: int = 512,
+        pretrain_size: GridSize | None = None,
         temperature_init: float = 1 / 0.24,
         device=None,
         dtype=None,
@@ -126,7 +194,7 @@ class CosineAttention(HeadAttention):
         self.temperature = nn.Parameter(torch.full((num_heads, 1, 1), inverse_softplus, **dd))
         self.query_embedding = nn.Parameter(torch.empty(num_heads, 1, self.head_dim, **dd))
         nn.init.trunc_normal_(self.query_embedding, std=0.02)
-        self.cpb = ContinuousPositionBias(num_heads, cpb_hidden, **dd) if position_bias else None
+        self.cpb = ContinuousPositionBias(num_heads, cpb_hidden, pretrain_size, **dd) if position_bias else None
         self.grid_size: GridSize | None = None
         if grid_size is not None:
             self.set_grid_size(grid_size)
