@@ -12,7 +12,7 @@ import pytest
 from visattn.report import compare, group_cells, load_run, summarize, write_report
 from visattn.report.__main__ import main as report_main
 from visattn.report.runs import find_run_dirs, reference_cell
-from visattn.report.stats import intervals_overlap
+from visattn.report.stats import PairedDifference, holm, intervals_overlap, paired_difference, paired_verdicts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLASSES = ["T-shirt", "Trouser", "Pullover"]
@@ -92,6 +92,36 @@ def test_overlapping_intervals_are_never_ranked() -> None:
     assert compare(None, ref, higher_is_better=True) == "—"
 
 
+def test_paired_difference_hand_computed() -> None:
+    # d = 1, 1.5, 3: mean 11/6, sd sqrt(13/12), t = 3.051 on 2 df -> p = 0.0927; t_0.975,2 = 4.3027
+    diff = paired_difference({0: 1.0, 1: 2.0, 2: 4.0, 3: 9.0}, {0: 0.0, 1: 0.5, 2: 1.0})  # seed 3 unpaired
+    assert diff.n == 3 and diff.mean == pytest.approx(11 / 6)
+    half = 4.302653 * math.sqrt(13 / 12) / math.sqrt(3)
+    assert diff.low == pytest.approx(11 / 6 - half, rel=1e-5) and diff.high == pytest.approx(11 / 6 + half, rel=1e-5)
+    assert diff.p_value == pytest.approx(0.09274, abs=1e-4)
+    assert paired_difference({0: 1.0}, {1: 1.0}) is None
+    assert paired_difference({0: 2.0}, {0: 1.0}).p_value is None  # one shared seed: no test
+    assert paired_difference({0: 2.0, 1: 3.0}, {0: 1.0, 1: 2.0}).p_value == 0.0  # constant shift
+
+
+def test_holm_step_down_hand_computed() -> None:
+    # sorted 0.005 <= 0.05/4, 0.01 <= 0.05/3, 0.03 > 0.05/2: stop, so 0.03 and 0.04 are kept
+    assert holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert holm([0.01, 0.04]) == [True, True]  # 0.01 <= 0.025, 0.04 <= 0.05
+    assert holm([0.03, 0.04]) == [False, False]  # each < 0.05 alone, but not after the correction
+    assert holm([None, 0.001]) == [None, True]
+
+
+def test_verdicts_only_where_the_corrected_test_rejects() -> None:
+    def diff(mean, p):
+        return PairedDifference(3, mean, mean - 1, mean + 1, p)
+
+    verdicts = paired_verdicts([diff(-2.0, 0.001), diff(1.0, 0.03), diff(1.0, 0.04), None,
+                                PairedDifference(1, 5.0, None, None, None)], [True, True, True, True, True])
+    assert verdicts == ["worse", "within noise", "within noise", "—", "not ranked (n<2)"]
+    assert paired_verdicts([diff(-2.0, 0.001)], [False]) == ["better"]  # lower FID is better
+
+
 def test_cells_group_seeds_and_find_the_mha_reference(study_dirs: Path) -> None:
     cells = group_cells(load_run(p) for p in find_run_dirs([study_dirs]))
     keys = {cell.key: len(cell.runs) for cell in cells}
@@ -140,7 +170,7 @@ def test_routing_is_compared_with_fewer_heads_at_the_same_budget(tmp_path: Path)
         make_run(root, "cls", "moh-90", seed, (7, 8), {"top1": 0.85 + 0.001 * seed}, routed=True)  # no partner
     text = write_report([root], tmp_path / "out").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| moh-50 | mha-fewer-heads-50 | 4 |")]
-    assert len(rows) == 1 and rows[0].split("|")[6].strip() == "better", rows  # the top-1 verdict
+    assert len(rows) == 1 and rows[0].split("|")[6].strip().startswith("better: +4.00"), rows  # the top-1 verdict
     assert not any(line.startswith("| moh-90 | mha") for line in text.splitlines())  # MHA is not a partner
 
 
