@@ -201,3 +201,30 @@ def test_missing_results_is_a_clear_error(tmp_path: Path) -> None:
         find_run_dirs([tmp_path / "nope"])
     with pytest.raises(FileNotFoundError, match="results.json"):
         load_run(tmp_path)
+
+
+def test_every_cell_has_its_own_colour_and_marker() -> None:
+    from visattn.report.plots import _style
+
+    styles = [_style(i) for i in range(15)]
+    assert len({s["marker"] for s in styles}) == 15
+    assert len({tuple(s["color"]) for s in styles}) == 15
+    assert len({(tuple(s["color"]), s["marker"]) for s in (_style(i) for i in range(60))}) == 60
+
+
+def test_generation_tables_show_agreement_sfid_reason_and_both_flop_counts(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    note = "left out: sFID needs >= 10 x 1568-d = 15680 images per set (have 5000 samples, 10000 reference)"
+    for seed in range(2):
+        make_run(root, "dit", "mha", seed, (8, 8), {"fid": 5.0 + seed, "sfid": None, "sfid_note": note,
+                                                     "class_agreement": 0.81 + 0.01 * seed})
+        make_run(root, "dit", "moh-50", seed, (4, 8), {"fid": 6.0 + seed, "sfid": None, "sfid_note": note,
+                                                        "class_agreement": 0.71 + 0.01 * seed},
+                 routed=True, active_head_flops_per_image=1.5e8)
+    text = write_report([root], tmp_path / "out").read_text()
+    assert "0.815 ± 0.007" in text and note in text
+    assert "class agreement vs MHA" in text and "worse: -0.100 [-0.100, -0.100]" in text
+    header = next(line for line in text.splitlines() if "executed FLOPs / image" in line)
+    assert "active-head FLOPs / image" in header
+    moh_cost = next(line for line in text.splitlines() if line.startswith("| moh-50 |") and "img/s" in line)
+    assert "250.00 MFLOP | 150.00 MFLOP" in moh_cost

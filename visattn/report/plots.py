@@ -22,12 +22,17 @@ from .runs import Cell  # noqa: E402
 from .stats import summarize  # noqa: E402
 from .tables import head_fraction  # noqa: E402
 
-MARKERS = "osD^vP*Xh<>p"
+MARKERS = "osD^vP*Xh<>pd8H"  # 15 filled markers
+# 20 distinct colours: tab20's dark shades first, then its light ones (tab10 alone repeats after 10)
+_TAB20 = [matplotlib.colormaps["tab20"](i) for i in range(20)]
+COLORS = _TAB20[0::2] + _TAB20[1::2]
 ERRORBAR_NOTE = "error bars: 95% t-interval over seeds (none for n=1)"
 
 
 def _style(index: int) -> dict:
-    return {"color": plt.get_cmap("tab10")(index % 10), "marker": MARKERS[index % len(MARKERS)]}
+    """Colour and marker of the ``index``-th cell: both distinct for the first 15 cells, and the
+    (colour, marker) pair distinct for the first 60."""
+    return {"color": COLORS[index % len(COLORS)], "marker": MARKERS[index % len(MARKERS)]}
 
 
 def _save(fig, path: Path) -> Path:

@@ -13,6 +13,7 @@ from .runs import Cell
 from .stats import REFERENCE, PairedDifference, Summary, paired_difference, paired_verdicts, summarize
 
 DASH = "—"
+FLOP_UNITS = [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -63,12 +64,21 @@ def quality_table(cells: Sequence[Cell], reference: Cell | None) -> str:
     rows = []
     for cell in cells:
         row = [cell.variant, _heads_text(cell, reference), _seeds_text(cell)]
-        row += [format_summary(summarize(cell.values(m.key)), m.scale, m.digits) for m in metrics]
+        row += [_quality_text(cell, m) for m in metrics]
         if task == "dit":
             samples = sorted({int(v) for v in cell.values("num_samples")})
             row.append(f"{cell.text('extractor') or DASH} / {', '.join(map(str, samples)) or DASH}")
         rows.append(row)
     return markdown_table(header, rows)
+
+
+def _quality_text(cell: Cell, metric: Metric) -> str:
+    """mean ± std [interval]; for a metric the runs left out on purpose (sFID below its sample-size
+    rule), the runs' reason instead of a dash."""
+    summary = summarize(cell.values(metric.key))
+    if summary is None and cell.text(f"{metric.key}_note"):
+        return cell.text(f"{metric.key}_note")
+    return format_summary(summary, metric.scale, metric.digits)
 
 
 def by_seed(cell: Cell, key: str) -> dict:
@@ -182,12 +192,14 @@ def _scaled(value: float | None, units: Sequence[tuple[float, str]]) -> str:
 
 
 def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
-    """Parameters, FLOPs and measured throughput / peak memory as ratios to MHA (mean over seeds)."""
+    """Parameters, executed and active-head FLOPs (``visattn.bench.active_flops``), and measured
+    throughput / peak memory as ratios to MHA (mean over seeds)."""
     header = [
         "variant",
         "active heads (of MHA)",
         "params",
-        "FLOPs / image",
+        "executed FLOPs / image",
+        "active-head FLOPs / image",
         "train throughput (× MHA)",
         "inference throughput (× MHA)",
         "peak memory (× MHA)",
@@ -200,7 +212,8 @@ def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
                 cell.variant,
                 _heads_text(cell, reference),
                 _scaled(_mean(cell, "params"), [(1e9, "G"), (1e6, "M"), (1e3, "k")]),
-                _scaled(_mean(cell, "flops_per_image"), [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]),
+                _scaled(_mean(cell, "flops_per_image"), FLOP_UNITS),
+                _scaled(_mean(cell, "active_head_flops_per_image"), FLOP_UNITS),
                 _ratio_text(cell, reference, "train_images_per_s", "img/s"),
                 _ratio_text(cell, reference, "eval_images_per_s", "img/s"),
                 _ratio_text(cell, reference, "peak_memory_mb", "MB"),
