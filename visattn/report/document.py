@@ -14,7 +14,14 @@ from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
 from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
 from .stats import CONFIDENCE
-from .tables import comparison_table, cost_table, markdown_table, noise_statement, quality_table, same_budget_table
+from .tables import (
+    comparison_table,
+    cost_table,
+    markdown_table,
+    noise_statement,
+    quality_table,
+    same_budget_table,
+)
 
 log = logging.getLogger(__name__)
 
