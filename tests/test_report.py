@@ -228,3 +228,24 @@ def test_generation_tables_show_agreement_sfid_reason_and_both_flop_counts(tmp_p
     assert "active-head FLOPs / image" in header
     moh_cost = next(line for line in text.splitlines() if line.startswith("| moh-50 |") and "img/s" in line)
     assert "250.00 MFLOP | 150.00 MFLOP" in moh_cost
+
+
+def test_ranking_check_at_the_last_two_evaluations(study_dirs: Path, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from visattn.report.convergence import ranking_check, ranking_sentence
+
+    def cell(name, *curves):  # one run per curve of top-1 at epochs 0, 1, 2
+        runs = [SimpleNamespace(metrics=[{"epoch": e, "top1": v} for e, v in enumerate(c)]) for c in curves]
+        return SimpleNamespace(variant=name, runs=runs)
+
+    settled = [cell("a", [0.5, 0.8, 0.90], [0.5, 0.8, 0.92]), cell("b", [0.6, 0.7, 0.85])]
+    check = ranking_check(settled, "epoch", "top1")
+    assert check.points == (1.0, 2.0) and check.before == check.after == ("a", "b") and check.stable
+    assert "is the same at epoch 1 and epoch 2 (best first: a, b)" in ranking_sentence(check, "epoch", "eval top-1")
+    moving = [cell("a", [0.5, 0.80, 0.90]), cell("b", [0.6, 0.85, 0.88])]
+    check = ranking_check(moving, "epoch", "top1")
+    assert not check.stable
+    assert "CHANGED between epoch 1 (b, a) and epoch 2 (a, b)" in ranking_sentence(check, "epoch", "eval top-1")
+    assert ranking_check(settled[:1], "epoch", "top1") is None
+    assert "Ranking by seed-mean eval top-1" in write_report([study_dirs], tmp_path / "r").read_text()

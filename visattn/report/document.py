@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import plots
+from .convergence import ranking_check, ranking_sentence
 from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
 from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
@@ -115,6 +116,8 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
             lines += [f"![{TASK_TITLES.get(task, task)}: {name}]({path.name})", ""]
     if not any(path for _, path in figures):
         lines += ["— (nothing to plot)", ""]
+    if task == "cls":  # trained long enough to rank? (the eval top-1 panel of the training curves)
+        lines += [ranking_sentence(ranking_check(cells, "epoch", "top1"), "epoch", "eval top-1"), ""]
     routed = [cell for cell in cells if cell.routed]
     if routed:
         lines += ["### Head load per class (routed variants; cf. MoH Figure 3)", ""]

@@ -127,7 +127,7 @@ def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:
+def mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Mean of ``y_key`` over the seeds at each ``x_key`` value the seeds logged."""
     by_x: dict[float, list[float]] = {}
     for run in cell.runs:
@@ -151,7 +151,7 @@ def training_curves(cells: Sequence[Cell], path: Path) -> Path | None:
     drawn = False
     for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes[0], panels, strict=True):
         for index, cell in enumerate(cells):
-            curve = _mean_curve(cell, x_key, y_key)
+            curve = mean_curve(cell, x_key, y_key)
             if curve is None:
                 continue
             style = _style(index)
