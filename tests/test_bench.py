@@ -106,3 +106,18 @@ def test_moh_budget_and_cases():
 def test_call_peak_sees_a_large_allocation():
     mib = call_peak_mb(lambda: torch.ones(64 * 2**20 // 4).add_(1))
     assert 60 < mib < 200
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peak_probe_is_sized_by_time_not_shape(dtype):
+    # bf16 is emulated (~20x slower than fp32) on AVX2-only CPUs: a fixed 2048^2 product took minutes
+    # there; the time-sized probe costs about the same on every CPU.
+    import time
+
+    from visattn.bench.timing import matmul_peak_flops
+
+    start = time.perf_counter()
+    flops = matmul_peak_flops(dtype, budget_s=0.02)
+    assert flops > 0 and time.perf_counter() - start < 2.0
+    with pytest.raises(ValueError, match="budget_s=0"):
+        matmul_peak_flops(dtype, budget_s=0)

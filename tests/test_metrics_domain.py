@@ -65,10 +65,14 @@ def test_scores_separate_real_digits_from_noise(digits):
     reference = load_arrays("digits", "test")[0]
     scorer = GenerationScorer(digits)
     stats = scorer.reference_stats(reference)
-    real = scorer.score(load_arrays("digits", "train")[0][:400], stats)
-    noise = scorer.score(np.random.default_rng(0).integers(0, 256, size=(400, 8, 8, 1), dtype=np.uint8), stats)
+    train_images, train_labels = load_arrays("digits", "train")
+    real = scorer.score(train_images[:400], stats, labels=train_labels[:400])
+    noise = scorer.score(np.random.default_rng(0).integers(0, 256, size=(400, 8, 8, 1), dtype=np.uint8), stats,
+                         labels=train_labels[:400])
     assert real["extractor"] == "digits" and real["num_samples"] == 400
-    assert real["fid"] * 10 < noise["fid"] and real["sfid"] < noise["sfid"]
+    assert real["fid"] * 10 < noise["fid"]
+    assert real["sfid"] is None and "2560" in real["sfid_note"]  # 400 images < 10 x 256-d spatial features
+    assert real["class_agreement"] > 0.95 and noise["class_agreement"] < 0.5
     assert real["precision"] > 0.7 and real["recall"] > 0.7 and noise["precision"] < 0.1
     assert real["is"] > 5.0 and real["is"] > noise["is"]
 

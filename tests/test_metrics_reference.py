@@ -104,10 +104,13 @@ def test_build_reference_statistics_cover_every_image_while_arr_0_keeps_a_subset
 
 def test_scorer_reports_every_metric_and_uses_spatial_features_for_sfid():
     scorer = GenerationScorer(PixelExtractor())
-    reference, samples = _images(300, seed=1), _images(200, seed=2)
+    # 64-d spatial features: sFID is computed only with >= 10 x 64 images in both sets
+    reference, samples = _images(700, seed=1), _images(650, seed=2)
     result = scorer.score(samples, reference)
-    assert set(result) == {"fid", "sfid", "is", "precision", "recall", "extractor", "num_samples", "num_reference"}
-    assert result["extractor"] == "pixels" and result["num_samples"] == 200 and result["num_reference"] == 300
+    assert set(result) == {"fid", "sfid", "sfid_note", "is", "precision", "recall", "class_agreement", "extractor",
+                           "num_samples", "num_reference"}
+    assert result["extractor"] == "pixels" and result["num_samples"] == 650 and result["num_reference"] == 700
+    assert result["sfid_note"] is None and result["class_agreement"] is None
     spatial = [feature_statistics(x.astype(np.float32).reshape(len(x), -1) / 255.0) for x in (samples, reference)]
     assert result["sfid"] == pytest.approx(frechet_distance(*spatial[0], *spatial[1]), rel=1e-5)
     assert result["sfid"] != pytest.approx(result["fid"], rel=1e-3)

@@ -12,7 +12,7 @@ import pytest
 from visattn.report import compare, group_cells, load_run, summarize, write_report
 from visattn.report.__main__ import main as report_main
 from visattn.report.runs import find_run_dirs, reference_cell
-from visattn.report.stats import intervals_overlap
+from visattn.report.stats import PairedDifference, holm, intervals_overlap, paired_difference, paired_verdicts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLASSES = ["T-shirt", "Trouser", "Pullover"]
@@ -92,6 +92,36 @@ def test_overlapping_intervals_are_never_ranked() -> None:
     assert compare(None, ref, higher_is_better=True) == "—"
 
 
+def test_paired_difference_hand_computed() -> None:
+    # d = 1, 1.5, 3: mean 11/6, sd sqrt(13/12), t = 3.051 on 2 df -> p = 0.0927; t_0.975,2 = 4.3027
+    diff = paired_difference({0: 1.0, 1: 2.0, 2: 4.0, 3: 9.0}, {0: 0.0, 1: 0.5, 2: 1.0})  # seed 3 unpaired
+    assert diff.n == 3 and diff.mean == pytest.approx(11 / 6)
+    half = 4.302653 * math.sqrt(13 / 12) / math.sqrt(3)
+    assert diff.low == pytest.approx(11 / 6 - half, rel=1e-5) and diff.high == pytest.approx(11 / 6 + half, rel=1e-5)
+    assert diff.p_value == pytest.approx(0.09274, abs=1e-4)
+    assert paired_difference({0: 1.0}, {1: 1.0}) is None
+    assert paired_difference({0: 2.0}, {0: 1.0}).p_value is None  # one shared seed: no test
+    assert paired_difference({0: 2.0, 1: 3.0}, {0: 1.0, 1: 2.0}).p_value == 0.0  # constant shift
+
+
+def test_holm_step_down_hand_computed() -> None:
+    # sorted 0.005 <= 0.05/4, 0.01 <= 0.05/3, 0.03 > 0.05/2: stop, so 0.03 and 0.04 are kept
+    assert holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert holm([0.01, 0.04]) == [True, True]  # 0.01 <= 0.025, 0.04 <= 0.05
+    assert holm([0.03, 0.04]) == [False, False]  # each < 0.05 alone, but not after the correction
+    assert holm([None, 0.001]) == [None, True]
+
+
+def test_verdicts_only_where_the_corrected_test_rejects() -> None:
+    def diff(mean, p):
+        return PairedDifference(3, mean, mean - 1, mean + 1, p)
+
+    verdicts = paired_verdicts([diff(-2.0, 0.001), diff(1.0, 0.03), diff(1.0, 0.04), None,
+                                PairedDifference(1, 5.0, None, None, None)], [True, True, True, True, True])
+    assert verdicts == ["worse", "within noise", "within noise", "—", "not ranked (n<2)"]
+    assert paired_verdicts([diff(-2.0, 0.001)], [False]) == ["better"]  # lower FID is better
+
+
 def test_cells_group_seeds_and_find_the_mha_reference(study_dirs: Path) -> None:
     cells = group_cells(load_run(p) for p in find_run_dirs([study_dirs]))
     keys = {cell.key: len(cell.runs) for cell in cells}
@@ -140,7 +170,7 @@ def test_routing_is_compared_with_fewer_heads_at_the_same_budget(tmp_path: Path)
         make_run(root, "cls", "moh-90", seed, (7, 8), {"top1": 0.85 + 0.001 * seed}, routed=True)  # no partner
     text = write_report([root], tmp_path / "out").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| moh-50 | mha-fewer-heads-50 | 4 |")]
-    assert len(rows) == 1 and rows[0].split("|")[6].strip() == "better", rows  # the top-1 verdict
+    assert len(rows) == 1 and rows[0].split("|")[6].strip().startswith("better: +4.00"), rows  # the top-1 verdict
     assert not any(line.startswith("| moh-90 | mha") for line in text.splitlines())  # MHA is not a partner
 
 
@@ -171,3 +201,51 @@ def test_missing_results_is_a_clear_error(tmp_path: Path) -> None:
         find_run_dirs([tmp_path / "nope"])
     with pytest.raises(FileNotFoundError, match="results.json"):
         load_run(tmp_path)
+
+
+def test_every_cell_has_its_own_colour_and_marker() -> None:
+    from visattn.report.plots import _style
+
+    styles = [_style(i) for i in range(15)]
+    assert len({s["marker"] for s in styles}) == 15
+    assert len({tuple(s["color"]) for s in styles}) == 15
+    assert len({(tuple(s["color"]), s["marker"]) for s in (_style(i) for i in range(60))}) == 60
+
+
+def test_generation_tables_show_agreement_sfid_reason_and_both_flop_counts(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    note = "left out: sFID needs >= 10 x 1568-d = 15680 images per set (have 5000 samples, 10000 reference)"
+    for seed in range(2):
+        make_run(root, "dit", "mha", seed, (8, 8), {"fid": 5.0 + seed, "sfid": None, "sfid_note": note,
+                                                     "class_agreement": 0.81 + 0.01 * seed})
+        make_run(root, "dit", "moh-50", seed, (4, 8), {"fid": 6.0 + seed, "sfid": None, "sfid_note": note,
+                                                        "class_agreement": 0.71 + 0.01 * seed},
+                 routed=True, active_head_flops_per_image=1.5e8)
+    text = write_report([root], tmp_path / "out").read_text()
+    assert "0.815 ± 0.007" in text and note in text
+    assert "class agreement vs MHA" in text and "worse: -0.100 [-0.100, -0.100]" in text
+    header = next(line for line in text.splitlines() if "executed FLOPs / image" in line)
+    assert "active-head FLOPs / image" in header
+    moh_cost = next(line for line in text.splitlines() if line.startswith("| moh-50 |") and "img/s" in line)
+    assert "250.00 MFLOP | 150.00 MFLOP" in moh_cost
+
+
+def test_ranking_check_at_the_last_two_evaluations(study_dirs: Path, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from visattn.report.convergence import ranking_check, ranking_sentence
+
+    def cell(name, *curves):  # one run per curve of top-1 at epochs 0, 1, 2
+        runs = [SimpleNamespace(metrics=[{"epoch": e, "top1": v} for e, v in enumerate(c)]) for c in curves]
+        return SimpleNamespace(variant=name, runs=runs)
+
+    settled = [cell("a", [0.5, 0.8, 0.90], [0.5, 0.8, 0.92]), cell("b", [0.6, 0.7, 0.85])]
+    check = ranking_check(settled, "epoch", "top1")
+    assert check.points == (1.0, 2.0) and check.before == check.after == ("a", "b") and check.stable
+    assert "is the same at epoch 1 and epoch 2 (best first: a, b)" in ranking_sentence(check, "epoch", "eval top-1")
+    moving = [cell("a", [0.5, 0.80, 0.90]), cell("b", [0.6, 0.85, 0.88])]
+    check = ranking_check(moving, "epoch", "top1")
+    assert not check.stable
+    assert "CHANGED between epoch 1 (b, a) and epoch 2 (a, b)" in ranking_sentence(check, "epoch", "eval top-1")
+    assert ranking_check(settled[:1], "epoch", "top1") is None
+    assert "Ranking by seed-mean eval top-1" in write_report([study_dirs], tmp_path / "r").read_text()

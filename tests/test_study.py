@@ -60,6 +60,17 @@ def test_profiles_plan_every_cell_and_enough_seeds(tmp_path: Path) -> None:
     assert {s.seed for s in quick} == {0}
     assert all(len({s.seed for s in full if (s.task, s.cell) == key}) >= 3 for key in {(s.task, s.cell) for s in full})
     assert len({s.run_dir for s in full}) == len(full)  # no two runs share a directory
+    core = {"mha", "moh-50", "moh-75", "moh-90", "mha-fewer-heads-50", "mha-fewer-heads-75"}
+    for task in tasks:
+        seeds = {c: {s.seed for s in full if (s.task, s.cell) == (task, c)} for c in cells}
+        assert all(len(seeds[c]) >= 5 for c in core) and all(len(seeds[c]) == 3 for c in set(cells) - core)
+    dit = [s for s in full if s.task == "dit"]
+    assert all(f"sample.seed={s.seed}" in s.overrides for s in dit)  # each run samples with its own seed
+    assert all("eval.num_samples=5000" in s.overrides for s in dit)
+    # command lines hold paths relative to the repository, never this machine's absolute paths
+    assert not any(o.split("=", 1)[1].startswith("/") for s in full for o in s.overrides)
+    assert not any(str(REPO_ROOT) in s.command for s in full)
+    assert all(s.run_dir.is_absolute() for s in full)
     with pytest.raises(ValueError, match="unknown cell"):
         plan_runs("quick", tmp_path, cells=["nope"])
     with pytest.raises(ValueError, match="profile='huge'"):
@@ -137,6 +148,31 @@ def test_cli_dry_run_prints_commands_with_the_thread_override(tmp_path: Path, ca
 
     assert main(["--profile", "full", "--out", str(tmp_path), "--dry-run", "--cell", "mha", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 6  # 2 tasks x 3 seeds
+    assert len(lines) == 10  # 2 tasks x 5 seeds (mha is a core cell)
     assert all(line.count("train.num_threads=") == 1 and "train.num_threads=1" in line for line in lines)
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+def test_runner_runs_jobs_at_a_time_and_keeps_plan_order(tmp_path: Path) -> None:
+    import time
+
+    from visattn.study.plan import RunSpec
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(
+        "import json, sys, time, pathlib\n"
+        "args = dict(a.split('=', 1) for a in sys.argv[1:])\n"
+        "time.sleep(1.0)\n"
+        "run = pathlib.Path(args['dir']); run.mkdir(parents=True, exist_ok=True)\n"
+        "(run / 'results.json').write_text(json.dumps({'task': 'cls', 'seed': int(args['seed']),"
+        " 'active_heads': [8, 8], 'top1': 0.5, 'config': {'attn': {'name': 'mha'}}}))\n"
+    )
+    specs = [RunSpec("cls", "mha", seed, tmp_path / "runs" / f"seed{seed}", str(script),
+                     (f"seed={seed}", f"dir={tmp_path / 'runs' / f'seed{seed}'}")) for seed in range(4)]
+    start = time.perf_counter()
+    report, outcomes = run_study(specs, tmp_path, "quick", "jobs test", jobs=4)
+    assert time.perf_counter() - start < 3.5  # four 1 s runs side by side, not 4 s in a row
+    assert [o.spec.seed for o in outcomes] == [0, 1, 2, 3] and all(o.status == "done" for o in outcomes)
+    assert report is not None and report.is_file()
+    with pytest.raises(ValueError, match="jobs=0"):
+        run_study(specs, tmp_path, "quick", "jobs test", jobs=0)

@@ -43,16 +43,44 @@ def median(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 5, clock: str = "wall") -> float:
-    """FLOP/s of a square ``size`` matmul in ``dtype`` (best of ``repeats``): this machine's
-    practical peak, the yardstick for each variant's fraction of peak."""
-    now = CLOCKS[clock]
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+PROBE_BUDGET_S = 0.05  # time the peak probe aims for, on any CPU or GPU
+PROBE_START_SIZE = 64
+PROBE_MAX_SIZE = 4096
+PROBE_MAX_REPEATS = 20
+
+
+def _mm_seconds(a: torch.Tensor, b: torch.Tensor, now: Callable[[], float]) -> float:
+    start = now()
     torch.mm(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        start = now()
-        torch.mm(a, b)
-        best = min(best, now() - start)
-    return 2 * size**3 / best
+    if a.is_cuda:
+        torch.cuda.synchronize(a.device)
+    return now() - start
+
+
+def matmul_peak_flops(
+    dtype: torch.dtype, budget_s: float = PROBE_BUDGET_S, clock: str = "wall", max_size: int = PROBE_MAX_SIZE,
+    device: str | torch.device = "cpu",
+) -> float:
+    """FLOP/s of a square matmul in ``dtype`` (best of its repeats): this machine's practical peak,
+    the yardstick for each variant's fraction of peak.
+
+    Sized by time, not by a fixed shape: the side doubles from 64 until one product takes about a
+    tenth of ``budget_s`` (or reaches ``max_size``), then repeats fill the budget (at most 20). The
+    probe costs about ``2 x budget_s`` on a fast matmul and on an emulated one (bf16 on AVX2-only
+    CPUs runs ~20x slower than fp32) alike, instead of minutes for a fixed 2048^2 bf16 product.
+    """
+    if budget_s <= 0:
+        raise ValueError(f"budget_s={budget_s} must be > 0 seconds")
+    now = CLOCKS[clock]
+    size = PROBE_START_SIZE
+    while True:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+        seconds = _mm_seconds(a, b, now)
+        if seconds >= budget_s / 10 or size >= max_size:
+            break
+        size *= 2
+    repeats = max(1, min(PROBE_MAX_REPEATS, int(budget_s / max(seconds, 1e-9))))
+    best = min([seconds] + [_mm_seconds(a, b, now) for _ in range(repeats)])
+    return 2 * size**3 / max(best, 1e-12)

@@ -210,7 +210,13 @@ def load_domain_extractor(
         raise FileNotFoundError(f"{name} extractor weights {path} do not exist; omit --weights to train and cache them")
     if path.is_file():
         extractor = DomainExtractor(recipe)
-        extractor.load_state_dict(load_weights(path))
+        try:
+            extractor.load_state_dict(load_weights(path))
+        except Exception as err:  # a truncated / foreign file: name it and what it should hold
+            raise ValueError(
+                f"{name} extractor weights {path} could not be loaded ({type(err).__name__}: {err}); expected a "
+                f"safetensors file of the {name} DomainCNN (delete it to retrain, or omit --weights)"
+            ) from err
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as f:
                 accuracy = (f.metadata() or {}).get("test_accuracy")

@@ -26,6 +26,12 @@ def feature_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
+def _sqrtm(matrix: np.ndarray) -> np.ndarray:
+    """``scipy.linalg.sqrtm`` without its ``disp`` argument (removed in recent SciPy releases, where
+    the function returns only the root); non-finite entries flag a failed root either way."""
+    return np.asarray(linalg.sqrtm(matrix))
+
+
 def frechet_distance(
     mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray, eps: float = 1e-6
 ) -> float:
@@ -38,11 +44,11 @@ def frechet_distance(
         raise ValueError(f"covariances {sigma1.shape}, {sigma2.shape} do not match mean length {mu1.shape[0]}")
 
     diff = mu1 - mu2
-    covmean, _ = linalg.sqrtm(sigma1 @ sigma2, disp=False)
+    covmean = _sqrtm(sigma1 @ sigma2)
     if not np.isfinite(covmean).all():
         logger.warning("Frechet distance: singular covariance product; adding %g to the diagonals", eps)
         offset = np.eye(sigma1.shape[0]) * eps
-        covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
+        covmean = _sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=IMAGINARY_TOLERANCE):
             raise ValueError(

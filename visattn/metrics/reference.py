@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import io
 import logging
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +46,35 @@ class ReferenceBatch:
         return self.mu is not None
 
 
-def load_npz_batch(path: str | Path) -> ReferenceBatch:
-    """Read an ADM ``.npz`` (samples or reference); statistics are read when present."""
+NPZ_FORMAT = ("an ADM .npz written by numpy.savez: arr_0 uint8 [N, H, W, C] images "
+              "(samples may add arr_1 or labels: int [N] class labels)")
+LABEL_KEYS = ("arr_1", "labels")  # ADM's image_sample.py writes labels as arr_1
+
+
+@contextmanager
+def _open_npz(path: str | Path) -> Iterator[np.lib.npyio.NpzFile]:
+    """``np.load`` of an .npz archive; any other or damaged file fails naming it and the format."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"batch file {path} does not exist; give an ADM .npz with arr_0 [N, H, W, C] uint8")
-    with np.load(path) as obj:
+        raise FileNotFoundError(f"batch file {path} does not exist; give {NPZ_FORMAT}")
+    with path.open("rb") as f:
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":
+        raise ValueError(f"{path} is a single .npy array, not an .npz archive; expected {NPZ_FORMAT}")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path} is not a zip archive (damaged, or not made by numpy.savez); expected {NPZ_FORMAT}")
+    try:
+        with np.load(path, allow_pickle=False) as obj:
+            yield obj
+    except (zipfile.BadZipFile, EOFError, OSError) as err:
+        raise ValueError(f"{path} could not be read ({err}); expected {NPZ_FORMAT}") from err
+
+
+def load_npz_batch(path: str | Path) -> ReferenceBatch:
+    """Read an ADM ``.npz`` (samples or reference); statistics are read when present."""
+    with _open_npz(path) as obj:
         if "arr_0" not in obj:
-            raise ValueError(f"{path} has no arr_0 (keys: {sorted(obj.keys())}); it is not an ADM batch")
+            raise ValueError(f"{path} has no arr_0 (keys: {sorted(obj.keys())}); expected {NPZ_FORMAT}")
         present = [key for key in STATISTICS_KEYS if key in obj]
         if present and len(present) != len(STATISTICS_KEYS):
             raise ValueError(f"{path} holds {present} but not all of {STATISTICS_KEYS}")
@@ -60,9 +84,30 @@ def load_npz_batch(path: str | Path) -> ReferenceBatch:
     return ReferenceBatch(images=images, extractor=extractor, **stats)
 
 
-def save_npz_batch(path: str | Path, batch: ReferenceBatch) -> None:
-    """Write ``batch`` as an ADM ``.npz`` (atomically)."""
+def load_samples(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """A samples ``.npz`` -> (images uint8 ``[N, H, W, C]``, labels int ``[N]`` or None): the labels
+    from ``arr_1`` (ADM's layout) or ``labels``, when the file holds them."""
+    images = load_npz_batch(path).images
+    with _open_npz(path) as obj:
+        key = next((k for k in LABEL_KEYS if k in obj), None)
+        labels = None if key is None else obj[key]
+    if labels is not None:
+        labels = np.asarray(labels)
+        if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{key} of {path} must be int labels [N] with N = {len(images)} (one per image); "
+                             f"got {labels.dtype} {labels.shape}")
+    return images, labels
+
+
+def save_npz_batch(path: str | Path, batch: ReferenceBatch, labels: np.ndarray | None = None) -> None:
+    """Write ``batch`` as an ADM ``.npz`` (atomically); ``labels: int [N]`` go to ``arr_1`` (ADM's layout
+    for class-conditional samples)."""
     arrays = {"arr_0": check_images(batch.images)}
+    if labels is not None:
+        labels = np.asarray(labels)
+        if labels.shape != (len(batch.images),):
+            raise ValueError(f"labels must be [N] with N = {len(batch.images)}; got shape {labels.shape}")
+        arrays["arr_1"] = labels.astype(np.int64)
     if batch.has_statistics:
         arrays.update({key: getattr(batch, key) for key in STATISTICS_KEYS})
         if batch.extractor is not None:

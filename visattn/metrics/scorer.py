@@ -5,7 +5,11 @@ for the extractor and the reference once and then only for its samples:
 
     scorer = GenerationScorer(build_extractor("digits"))
     reference = scorer.reference_stats("ref.npz")      # or a ReferenceBatch / uint8 images
-    scorer.score(samples_uint8, reference)              # {"fid", "sfid", "is", "precision", "recall", ...}
+    scorer.score(samples_uint8, reference, labels=y)    # {"fid", "sfid", "is", "precision", "recall",
+                                                        #  "class_agreement", ...}
+
+sFID is reported only where both sample sets are large enough for a covariance of its dimension
+(``SFID_SAMPLES_PER_DIM``); otherwise ``sfid`` is None and ``sfid_note`` says why.
 """
 
 from __future__ import annotations
@@ -18,15 +22,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from .agreement import LABEL_EXTRACTORS, class_agreement
 from .extractor import FeatureExtractor, build_extractor, check_images
 from .fid import feature_statistics, frechet_distance
 from .inception_score import ADM_SPLIT_SIZE, inception_score
 from .precision_recall import DEFAULT_BATCH_SIZE, precision_recall
-from .reference import ReferenceBatch, load_npz_batch
+from .reference import ReferenceBatch, load_npz_batch, load_samples
 
 logger = logging.getLogger(__name__)
 
 ADM_STATISTICS_EXTRACTOR = "inception"  # ADM's own reference files carry no extractor name
+# sFID needs both sample sets to hold at least this many images per spatial feature dimension: below
+# it the [S, S] covariance is rank-deficient or noisy enough that two draws of one distribution sit
+# far apart (Inception's 2,023-d features need 20,230 images; ADM's FID-50K has 50,000).
+SFID_SAMPLES_PER_DIM = 10
+
+
+def sfid_note(num_samples: int, num_reference: int, dim: int) -> str | None:
+    """Why sFID is left out for these sizes, or None when it is computed."""
+    needed = SFID_SAMPLES_PER_DIM * dim
+    if min(num_samples, num_reference) >= needed:
+        return None
+    return (f"left out: sFID needs >= {SFID_SAMPLES_PER_DIM} x {dim}-d = {needed} images per set "
+            f"(have {num_samples} samples, {num_reference} reference)")
 
 
 @dataclass(frozen=True)
@@ -92,9 +110,15 @@ class GenerationScorer:
         return ReferenceStats(self.extractor.name, features.pooled, mu, sigma, mu_s, sigma_s)
 
     def score(
-        self, samples: np.ndarray, reference: ReferenceBatch | ReferenceStats | str | Path | np.ndarray
+        self,
+        samples: np.ndarray,
+        reference: ReferenceBatch | ReferenceStats | str | Path | np.ndarray,
+        labels: np.ndarray | None = None,
     ) -> dict[str, Any]:
-        """``{"fid", "sfid", "is", "precision", "recall", "extractor", "num_samples", "num_reference"}``."""
+        """``{"fid", "sfid", "sfid_note", "is", "precision", "recall", "class_agreement", "extractor",
+        "num_samples", "num_reference"}``. ``labels: [N]`` (each sample's conditioning class) gives
+        ``class_agreement``; without labels, or with an extractor that does not classify the dataset's
+        classes, it is None."""
         reference = self.reference_stats(reference)
         features = self.extractor.extract(check_images(samples, "samples"), self.batch_size, self.progress)
         mu, sigma = feature_statistics(features.pooled)
@@ -103,16 +127,28 @@ class GenerationScorer:
             reference.pooled, features.pooled, k=self.k, batch_size=self.distance_batch_size,
             device=self.extractor.device,
         )
+        note = sfid_note(len(features), reference.num_images, len(mu_s))
         return {
             "fid": frechet_distance(mu, sigma, reference.mu, reference.sigma),
-            "sfid": frechet_distance(mu_s, sigma_s, reference.mu_s, reference.sigma_s),
+            "sfid": None if note else frechet_distance(mu_s, sigma_s, reference.mu_s, reference.sigma_s),
+            "sfid_note": note,
             "is": inception_score(features.logits, split_size=self.is_split_size),
             "precision": precision,
             "recall": recall,
+            "class_agreement": self._agreement(features.logits, labels),
             "extractor": self.extractor.name,
             "num_samples": len(features),
             "num_reference": reference.num_images,
         }
+
+    def _agreement(self, logits: np.ndarray, labels: np.ndarray | None) -> float | None:
+        if labels is None:
+            return None
+        if self.extractor.name not in LABEL_EXTRACTORS:
+            logger.warning("class agreement needs a domain extractor (%s); %r does not classify the data's classes",
+                           ", ".join(LABEL_EXTRACTORS), self.extractor.name)
+            return None
+        return class_agreement(logits, labels)
 
 
 def compute_generation_metrics(
@@ -123,10 +159,12 @@ def compute_generation_metrics(
     device: str | torch.device = "cpu",
     **scorer_kwargs: Any,
 ) -> dict[str, Any]:
-    """One-shot scoring (``samples``: uint8 ``[N, H, W, C]`` or an ADM ``.npz``); builds the extractor
-    by name unless one is given. Loops that score repeatedly should keep a ``GenerationScorer``."""
+    """One-shot scoring (``samples``: uint8 ``[N, H, W, C]`` or an ADM ``.npz``, whose ``arr_1`` /
+    ``labels`` give class agreement); builds the extractor by name unless one is given. Loops that
+    score repeatedly should keep a ``GenerationScorer``."""
     if isinstance(extractor, str):
         extractor = build_extractor(extractor, weights=weights, device=device)
+    labels = scorer_kwargs.pop("labels", None)
     if isinstance(samples, (str, Path)):
-        samples = load_npz_batch(samples).images
-    return GenerationScorer(extractor, **scorer_kwargs).score(samples, reference)
+        samples, labels = load_samples(samples)
+    return GenerationScorer(extractor, **scorer_kwargs).score(samples, reference, labels=labels)

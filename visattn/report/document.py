@@ -10,11 +10,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import plots
+from .convergence import ranking_check, ranking_sentence
 from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
 from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
 from .stats import CONFIDENCE
-from .tables import comparison_table, cost_table, markdown_table, noise_statement, quality_table, same_budget_table
+from .tables import (
+    comparison_table,
+    cost_table,
+    markdown_table,
+    noise_statement,
+    quality_table,
+    same_budget_table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +66,18 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
         lines.append(f"- Study profile(s): {', '.join(profiles)}")
     lines.append(f"- {len(runs)} runs in {len(cells)} cells (task × attention variant × head budget; runs = seeds)")
     lines += [
-        f"- Statistics: mean ± sample std over seeds, then the {CONFIDENCE:.0%} Student-t interval in brackets. "
-        "A variant is called better or worse than MHA only when both intervals exist and do not overlap; "
-        "otherwise the difference is inside the seed noise and it is not ranked.",
+        f"- Statistics: quality is mean ± sample std over seeds, then the {CONFIDENCE:.0%} Student-t interval "
+        "in brackets. Comparisons are paired by seed (a seed fixes the data order, the initial weights of "
+        "equal architectures and the sampling noise): each entry is the mean per-seed difference (candidate − "
+        f"reference) with its {CONFIDENCE:.0%} paired t-interval. Every comparison table is one family of "
+        f"tests (all its cells × metrics), corrected with Holm's step-down method at family-wise α = "
+        f"{1 - CONFIDENCE:.2f}; better / worse only where the corrected test rejects, otherwise within noise "
+        "(not ranked).",
+        "- Cost: executed FLOPs count the code path that ran (for several MoH settings the dense one); "
+        "active-head FLOPs are the dense forward minus the inactive heads' query-side work (q projection, "
+        "scores, weighted values, output projection), the budget a head-skipping kernel could reach.",
+        "- sFID is reported only where both the samples and the reference hold at least 10 images per "
+        "spatial feature dimension; otherwise its column gives the reason.",
         "- Throughput and peak memory were measured by each run on its machine; ratios are of the means "
         "over seeds to the same task's MHA. A dash (—) means the runs did not measure it.",
         "",
@@ -81,7 +98,7 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
         lines += ["### Routing against fewer heads (same active heads per token)", "",
                   "Each routed cell against each cell without routing that uses as many heads per token "
                   "(a narrower plain MHA): does choosing heads per token beat simply having fewer heads? "
-                  "Same rule: a verdict only when the 95% intervals do not overlap.", "",
+                  "Paired by seed, Holm-corrected over this table.", "",
                   same_budget, ""]
     lines += ["### Cost", "", cost_table(cells, reference), ""]
     if task in INFERENCE_THROUGHPUT:
@@ -99,6 +116,8 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
             lines += [f"![{TASK_TITLES.get(task, task)}: {name}]({path.name})", ""]
     if not any(path for _, path in figures):
         lines += ["— (nothing to plot)", ""]
+    if task == "cls":  # trained long enough to rank? (the eval top-1 panel of the training curves)
+        lines += [ranking_sentence(ranking_check(cells, "epoch", "top1"), "epoch", "eval top-1"), ""]
     routed = [cell for cell in cells if cell.routed]
     if routed:
         lines += ["### Head load per class (routed variants; cf. MoH Figure 3)", ""]

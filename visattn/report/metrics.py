@@ -22,6 +22,7 @@ QUALITY = {
     ),
     "dit": (
         Metric("fid", "FID", False),
+        Metric("class_agreement", "class agreement", True, digits=3),
         Metric("sfid", "sFID", False),
         Metric("is", "IS", True),
         Metric("precision", "precision", True, digits=3),

@@ -22,12 +22,17 @@ from .runs import Cell  # noqa: E402
 from .stats import summarize  # noqa: E402
 from .tables import head_fraction  # noqa: E402
 
-MARKERS = "osD^vP*Xh<>p"
+MARKERS = "osD^vP*Xh<>pd8H"  # 15 filled markers
+# 20 distinct colours: tab20's dark shades first, then its light ones (tab10 alone repeats after 10)
+_TAB20 = [matplotlib.colormaps["tab20"](i) for i in range(20)]
+COLORS = _TAB20[0::2] + _TAB20[1::2]
 ERRORBAR_NOTE = "error bars: 95% t-interval over seeds (none for n=1)"
 
 
 def _style(index: int) -> dict:
-    return {"color": plt.get_cmap("tab10")(index % 10), "marker": MARKERS[index % len(MARKERS)]}
+    """Colour and marker of the ``index``-th cell: both distinct for the first 15 cells, and the
+    (colour, marker) pair distinct for the first 60."""
+    return {"color": COLORS[index % len(COLORS)], "marker": MARKERS[index % len(MARKERS)]}
 
 
 def _save(fig, path: Path) -> Path:
@@ -122,7 +127,7 @@ def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:
+def mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Mean of ``y_key`` over the seeds at each ``x_key`` value the seeds logged."""
     by_x: dict[float, list[float]] = {}
     for run in cell.runs:
@@ -146,7 +151,7 @@ def training_curves(cells: Sequence[Cell], path: Path) -> Path | None:
     drawn = False
     for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes[0], panels, strict=True):
         for index, cell in enumerate(cells):
-            curve = _mean_curve(cell, x_key, y_key)
+            curve = mean_curve(cell, x_key, y_key)
             if curve is None:
                 continue
             style = _style(index)

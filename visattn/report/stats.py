@@ -1,18 +1,24 @@
-"""Seed statistics: mean, std and a Student-t 95% interval, and the honest comparison built on them.
+"""Seed statistics: mean, std and a Student-t 95% interval per cell, and paired comparisons.
 
-Two cells are ranked only when both have an interval (n >= 2 seeds) and the intervals do not
-overlap; otherwise the difference is reported as inside the seed noise (or not ranked for n = 1).
+Comparisons are paired by seed (the same seed means the same data order and, for the same
+architecture, the same initial weights): per shared seed, d = candidate - reference; the paired t
+interval of the mean difference and its two-sided p value (``paired_difference``). A table's
+verdicts form one family: Holm's step-down correction (``holm``) at family-wise alpha = 0.05 decides
+which differences are called better or worse; every other one reads "within noise".
+``compare`` (interval overlap of two unpaired cells) remains for single comparisons.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scipy import stats as scipy_stats
 
 CONFIDENCE = 0.95
+FAMILY_ALPHA = 1 - CONFIDENCE  # Holm's family-wise error rate over one table's verdicts
 BETTER, WORSE, WITHIN_NOISE, NOT_RANKED, REFERENCE = "better", "worse", "within noise", "not ranked (n<2)", "reference"
 
 
@@ -67,3 +73,67 @@ def compare(candidate: Summary | None, reference: Summary | None, higher_is_bett
         return WITHIN_NOISE
     above = candidate.mean > reference.mean
     return BETTER if above == higher_is_better else WORSE
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """candidate - reference over the ``n`` seeds both have; interval and p are None when n < 2."""
+
+    n: int
+    mean: float
+    low: float | None
+    high: float | None
+    p_value: float | None
+
+
+def paired_difference(candidate: Mapping[Any, float], reference: Mapping[Any, float]) -> PairedDifference | None:
+    """Paired t statistics of ``candidate[seed] - reference[seed]`` over the seeds both measured
+    (``{seed: value}``); None when they share no seed. Zero spread: p = 0 for a non-zero mean, 1 else."""
+    seeds = [s for s in candidate if s in reference and _finite(candidate[s]) and _finite(reference[s])]
+    if not seeds:
+        return None
+    diffs = [float(candidate[s]) - float(reference[s]) for s in seeds]
+    summary = summarize(diffs)
+    if not summary.has_interval:
+        return PairedDifference(1, summary.mean, None, None, None)
+    if summary.std == 0:
+        p_value = 0.0 if summary.mean != 0 else 1.0
+    else:
+        t = summary.mean / (summary.std / math.sqrt(summary.n))
+        p_value = float(2 * scipy_stats.t.sf(abs(t), df=summary.n - 1))
+    return PairedDifference(summary.n, summary.mean, summary.low, summary.high, p_value)
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(float(value))
+
+
+def holm(p_values: Sequence[float | None], alpha: float = FAMILY_ALPHA) -> list[bool | None]:
+    """Holm's step-down test over the non-None p values: sorted ascending, p_(i) is rejected while
+    p_(i) <= alpha / (m - i + 1) (i = 1..m), and nothing after the first that is not. Returns, per
+    input, True (rejected), False (kept) or None (no test)."""
+    tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    m = len(tested)
+    rejected: list[bool | None] = [None if p is None else False for p in p_values]
+    for rank, (p, index) in enumerate(tested):
+        if p > alpha / (m - rank):
+            break
+        rejected[index] = True
+    return rejected
+
+
+def paired_verdicts(differences: Sequence[PairedDifference | None], higher_is_better: Sequence[bool]) -> list[str]:
+    """One table's family of paired differences -> verdicts: better / worse where Holm rejects,
+    within noise where it does not, not ranked with fewer than 2 shared seeds, — when unmeasured."""
+    rejected = holm([None if d is None else d.p_value for d in differences])
+    out = []
+    for diff, reject, higher in zip(differences, rejected, higher_is_better, strict=True):
+        if diff is None:
+            out.append("—")
+        elif reject is None:
+            out.append(NOT_RANKED)
+        elif not reject:
+            out.append(WITHIN_NOISE)
+        else:
+            out.append(BETTER if (diff.mean > 0) == higher else WORSE)
+    return out

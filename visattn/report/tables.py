@@ -1,6 +1,7 @@
-"""Markdown tables of the report: quality (mean +- std, 95% interval), comparison with MHA, cost.
+"""Markdown tables of the report: quality (mean +- std, 95% interval), paired comparisons, cost.
 
-Anything a run did not measure is shown as "—"; nothing is estimated.
+Anything a run did not measure is shown as "—"; nothing is estimated. Each comparison table is one
+family of tests (every cell x metric in it), corrected with Holm's method (see ``stats``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from collections.abc import Sequence
 
 from .metrics import Metric, quality_metrics
 from .runs import Cell
-from .stats import REFERENCE, Summary, compare, summarize
+from .stats import REFERENCE, PairedDifference, Summary, paired_difference, paired_verdicts, summarize
 
 DASH = "—"
+FLOP_UNITS = [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -62,7 +64,7 @@ def quality_table(cells: Sequence[Cell], reference: Cell | None) -> str:
     rows = []
     for cell in cells:
         row = [cell.variant, _heads_text(cell, reference), _seeds_text(cell)]
-        row += [format_summary(summarize(cell.values(m.key)), m.scale, m.digits) for m in metrics]
+        row += [_quality_text(cell, m) for m in metrics]
         if task == "dit":
             samples = sorted({int(v) for v in cell.values("num_samples")})
             row.append(f"{cell.text('extractor') or DASH} / {', '.join(map(str, samples)) or DASH}")
@@ -70,25 +72,67 @@ def quality_table(cells: Sequence[Cell], reference: Cell | None) -> str:
     return markdown_table(header, rows)
 
 
-def comparison_verdicts(cell: Cell, reference: Cell | None, metrics: Sequence[Metric]) -> list[str]:
+def _quality_text(cell: Cell, metric: Metric) -> str:
+    """mean ± std [interval]; for a metric the runs left out on purpose (sFID below its sample-size
+    rule), the runs' reason instead of a dash."""
+    summary = summarize(cell.values(metric.key))
+    if summary is None and cell.text(f"{metric.key}_note"):
+        return cell.text(f"{metric.key}_note")
+    return format_summary(summary, metric.scale, metric.digits)
+
+
+def by_seed(cell: Cell, key: str) -> dict:
+    """``{seed: value}`` of one metric over the cell's runs (runs without the value left out)."""
+    return {run.seed: run.value(key) for run in cell.runs if run.value(key) is not None}
+
+
+def format_difference(diff: PairedDifference | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``+mean [low, high]`` of a paired difference, or ``+mean (n=1)``."""
+    if diff is None:
+        return DASH
+    fmt = f"{{:+.{digits}f}}"
+    if diff.low is None:
+        return f"{fmt.format(diff.mean * scale)} (n={diff.n})"
+    return f"{fmt.format(diff.mean * scale)} [{fmt.format(diff.low * scale)}, {fmt.format(diff.high * scale)}]"
+
+
+def paired_family(pairs: Sequence[tuple[Cell, Cell]], metrics: Sequence[Metric]) -> list[list[tuple[str, str]]]:
+    """Per (candidate, reference) pair and metric: (difference text, verdict), the verdicts corrected
+    with Holm over the whole family (all pairs x metrics of one table)."""
+    diffs = [[paired_difference(by_seed(cand, m.key), by_seed(ref, m.key)) for m in metrics] for cand, ref in pairs]
+    flat = [d for row in diffs for d in row]
+    verdicts = iter(paired_verdicts(flat, [m.higher_is_better for _ in pairs for m in metrics]))
+    return [[(format_difference(d, m.scale, m.digits), next(verdicts)) for d, m in zip(row, metrics, strict=True)]
+            for row in diffs]
+
+
+def _cell_text(difference: str, verdict: str) -> str:
+    return verdict if difference == DASH else f"{verdict}: {difference}"
+
+
+def mha_family(cells: Sequence[Cell], reference: Cell | None, metrics: Sequence[Metric]) -> dict[str, list[str]]:
+    """variant -> verdict per metric against MHA (``reference`` for MHA itself, — without a baseline)."""
     if reference is None:
-        return [DASH] * len(metrics)
-    if cell is reference:
-        return [REFERENCE] * len(metrics)
-    return [
-        compare(summarize(cell.values(m.key)), summarize(reference.values(m.key)), m.higher_is_better)
-        for m in metrics
-    ]
+        return {cell.variant: [DASH] * len(metrics) for cell in cells}
+    others = [cell for cell in cells if cell is not reference]
+    family = paired_family([(cell, reference) for cell in others], metrics)
+    out = {reference.variant: [REFERENCE] * len(metrics)}
+    out.update({cell.variant: [v for _, v in row] for cell, row in zip(others, family, strict=True)})
+    return out
 
 
 def comparison_table(cells: Sequence[Cell], reference: Cell | None) -> str:
-    """Per cell and metric: better / worse than MHA only when the 95% intervals do not overlap."""
+    """Per cell and metric: the paired difference to MHA (mean [95% paired t-interval]) and the
+    Holm-corrected verdict."""
     metrics = quality_metrics(cells[0].task)
     header = ["variant", "active heads (of MHA)", *(f"{m.label} vs MHA" for m in metrics)]
-    rows = [
-        [cell.variant, _heads_text(cell, reference), *comparison_verdicts(cell, reference, metrics)]
-        for cell in cells
-    ]
+    if reference is None:
+        return markdown_table(header, [[c.variant, _heads_text(c, reference), *[DASH] * len(metrics)] for c in cells])
+    others = [cell for cell in cells if cell is not reference]
+    family = paired_family([(cell, reference) for cell in others], metrics)
+    rows = [[reference.variant, _heads_text(reference, reference), *[REFERENCE] * len(metrics)]]
+    rows += [[cell.variant, _heads_text(cell, reference), *(_cell_text(d, v) for d, v in row)]
+             for cell, row in zip(others, family, strict=True)]
     return markdown_table(header, rows)
 
 
@@ -102,7 +146,7 @@ def same_budget_pairs(cells: Sequence[Cell], reference: Cell | None) -> list[tup
 
 def same_budget_table(cells: Sequence[Cell], reference: Cell | None) -> str | None:
     """Routing against simply having fewer heads: per pair, the headline metric of both and the
-    verdict on every quality metric (same 95%-interval rule as against MHA); None without pairs."""
+    paired, Holm-corrected verdict on every quality metric; None without pairs."""
     pairs = same_budget_pairs(cells, reference)
     metrics = quality_metrics(cells[0].task) if cells else ()
     if not pairs or not metrics:
@@ -110,14 +154,14 @@ def same_budget_table(cells: Sequence[Cell], reference: Cell | None) -> str | No
     headline = metrics[0]
     header = ["routed", "without routing", "active heads", f"{headline.label}, routed",
               f"{headline.label}, without routing", *(f"{m.label}: routed vs without" for m in metrics)]
+    family = paired_family(pairs, metrics)
     rows = []
-    for routed, other in pairs:
+    for (routed, other), row in zip(pairs, family, strict=True):
         rows.append([
             routed.variant, other.variant, str(routed.heads[0]),
             format_summary(summarize(routed.values(headline.key)), headline.scale, headline.digits),
             format_summary(summarize(other.values(headline.key)), headline.scale, headline.digits),
-            *(compare(summarize(routed.values(m.key)), summarize(other.values(m.key)), m.higher_is_better)
-              for m in metrics),
+            *(_cell_text(d, v) for d, v in row),
         ])
     return markdown_table(header, rows)
 
@@ -148,12 +192,14 @@ def _scaled(value: float | None, units: Sequence[tuple[float, str]]) -> str:
 
 
 def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
-    """Parameters, FLOPs and measured throughput / peak memory as ratios to MHA (mean over seeds)."""
+    """Parameters, executed and active-head FLOPs (``visattn.bench.active_flops``), and measured
+    throughput / peak memory as ratios to MHA (mean over seeds)."""
     header = [
         "variant",
         "active heads (of MHA)",
         "params",
-        "FLOPs / image",
+        "executed FLOPs / image",
+        "active-head FLOPs / image",
         "train throughput (× MHA)",
         "inference throughput (× MHA)",
         "peak memory (× MHA)",
@@ -166,7 +212,8 @@ def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
                 cell.variant,
                 _heads_text(cell, reference),
                 _scaled(_mean(cell, "params"), [(1e9, "G"), (1e6, "M"), (1e3, "k")]),
-                _scaled(_mean(cell, "flops_per_image"), [(1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")]),
+                _scaled(_mean(cell, "flops_per_image"), FLOP_UNITS),
+                _scaled(_mean(cell, "active_head_flops_per_image"), FLOP_UNITS),
                 _ratio_text(cell, reference, "train_images_per_s", "img/s"),
                 _ratio_text(cell, reference, "eval_images_per_s", "img/s"),
                 _ratio_text(cell, reference, "peak_memory_mb", "MB"),
@@ -177,23 +224,22 @@ def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
 
 
 def noise_statement(cells: Sequence[Cell], reference: Cell | None) -> str:
-    """Plain sentences: which cells differ from MHA beyond the seed noise, which do not."""
+    """Plain sentences: which cells differ from MHA on the headline metric after the correction."""
     metrics = quality_metrics(cells[0].task)
     if reference is None or not metrics:
         return "No MHA baseline among these runs, so no variant is compared with MHA."
     headline = metrics[0]
+    verdicts = mha_family(cells, reference, metrics)
     groups: dict[str, list[str]] = {}
     for cell in cells:
-        if cell is reference:
-            continue
-        verdict = comparison_verdicts(cell, reference, [headline])[0]
-        groups.setdefault(verdict, []).append(cell.variant)
-    lines = [f"On {headline.label} (95% t-intervals over seeds, compared with `{reference.variant}`):"]
+        if cell is not reference:
+            groups.setdefault(verdicts[cell.variant][0], []).append(cell.variant)
+    lines = [f"On {headline.label} (paired by seed with `{reference.variant}`, Holm-corrected over this table):"]
     wording = {
-        "better": "better than MHA beyond the seed noise",
-        "worse": "worse than MHA beyond the seed noise",
-        "within noise": "inside the seed noise of MHA (intervals overlap: not ranked)",
-        "not ranked (n<2)": "not ranked (fewer than 2 seeds, no interval)",
+        "better": "better than MHA",
+        "worse": "worse than MHA",
+        "within noise": "not distinguishable from MHA (the corrected test does not reject: not ranked)",
+        "not ranked (n<2)": "not ranked (fewer than 2 seeds shared with MHA)",
         DASH: "not measured",
     }
     for verdict, text in wording.items():

@@ -21,13 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m visattn.study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=PROFILES, required=True,
-                        help="quick: 1 seed, few steps (a smoke test, < 20 min on 2 cores); full: 3 seeds (< 4 h)")
+                        help="quick: 1 seed, few steps (a smoke test, ~10 min on 2 cores); full: 5 seeds for the core "
+                             "cells, 3 for the rest (see conf/study/full.yaml for its cost)")
     parser.add_argument("--out", required=True, type=Path, help="study folder: runs/, study.json, REPORT.md, plots")
     parser.add_argument("--task", action="append", help="only this task (cls or dit); repeatable")
     parser.add_argument("--cell", action="append", help="only this cell (a name in conf/study/cells.yaml); repeatable")
     parser.add_argument("--seed", action="append", type=int, help="only this seed; repeatable")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (default: the profile's); 1 on a machine shared with other jobs")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs at a time (default: the profile's jobs, else 1); e.g. 2 runs of 1 thread on 2 cores")
     parser.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
@@ -46,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if subset is not None:
         write_fashion_mnist_subset(subset, cfg.data_subset.train_per_class, cfg.data_subset.test_per_class)
     command = shlex.join(["python", "-m", "visattn.study", *(sys.argv[1:] if argv is None else argv)])
+    jobs = args.jobs if args.jobs is not None else int(cfg.get("jobs") or 1)
+    if jobs < 1:
+        parser.error(f"--jobs={jobs} must be >= 1")
     report, outcomes = run_study(specs, out, args.profile, str(cfg.description), command=command,
-                                 timeout_s=cfg.get("timeout_s"))
+                                 timeout_s=cfg.get("timeout_s"), jobs=jobs)
     if report is not None:
         print(report)
     return 1 if report is None or any(o.failed for o in outcomes) else 0

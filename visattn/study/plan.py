@@ -7,6 +7,7 @@ the steps of that profile), and expands them into one ``RunSpec`` per (task, cel
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,19 @@ def _cell_overrides(cell: Mapping[str, Any], task_cfg: Mapping[str, Any]) -> lis
     return overrides
 
 
+def repo_relative(path: Path) -> str:
+    """``path`` relative to the repository root (the runs' working directory), so command lines and
+    the report hold no absolute paths of the machine that ran them."""
+    return os.path.relpath(Path(path).resolve(), REPO_ROOT)
+
+
+def cell_seeds(cfg: Mapping[str, Any], cell: Mapping[str, Any]) -> list[int]:
+    """The profile's ``core_seeds`` for a cell marked ``core: true`` (when the profile has them), else ``seeds``."""
+    if cell.get("core") and cfg.get("core_seeds") is not None:
+        return list(cfg["core_seeds"])
+    return list(cfg["seeds"])
+
+
 def subset_dir(cfg: Mapping[str, Any], out: Path) -> Path | None:
     """Where the profile's class-balanced Fashion-MNIST subset lives; None = the full dataset."""
     subset = cfg.get("data_subset")
@@ -112,7 +126,8 @@ def plan_runs(
     extra_overrides: Mapping[str, Sequence[str]] | None = None,
     conf_dir: Path = STUDY_CONF,
 ) -> list[RunSpec]:
-    """Every run of the profile, in study order: per task, per cell, per seed.
+    """Every run of the profile, in study order: per task, per cell, per seed (``core_seeds`` for
+    the cells marked ``core``). Paths in the overrides are relative to the repository root.
 
     ``tasks`` / ``cells`` / ``seeds`` select a subset (ValueError naming unknown ones);
     ``extra_overrides`` appends task-specific overrides (e.g. fewer steps in a test).
@@ -131,17 +146,21 @@ def plan_runs(
         recipe = [format_override(keys["experiment"], task_cfg["experiment"])]
         recipe += [format_override(k, v) for k, v in (task_cfg.get("overrides") or {}).items()]
         if data_root is not None:
-            recipe.append(format_override(keys["data_root"], data_root))
+            recipe.append(format_override(keys["data_root"], repo_relative(data_root)))
         for index, cell in enumerate(cfg["cells"]):
             if cells and cell["name"] not in cells:
                 continue
-            for seed in seeds if seeds is not None else cfg["seeds"]:
+            for seed in seeds if seeds is not None else cell_seeds(cfg, cell):
                 run_dir = out / "runs" / task / f"{index:02d}_{cell['name']}" / f"seed{seed}"
+                # The run seed also seeds sampling (noise and labels), so the seeds' spread holds the
+                # sampling noise and a paired comparison shares it between cells.
+                sample_seed = [format_override(keys["sample_seed"], seed)] if keys.get("sample_seed") else []
                 overrides = [
                     *recipe,
                     *_cell_overrides(cell, task_cfg),
                     format_override(keys["seed"], seed),
-                    format_override(keys["run_dir"], run_dir),
+                    *sample_seed,
+                    format_override(keys["run_dir"], repo_relative(run_dir)),
                     *(extra_overrides or {}).get(task, ()),
                 ]
                 specs.append(RunSpec(task, cell["name"], int(seed), run_dir, task_cfg["entry"], merge_overrides(overrides)))
