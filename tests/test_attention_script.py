@@ -35,7 +35,6 @@ def test_every_attention_scripts_and_matches_eager(name, routed):
         torch.testing.assert_close(scripted.router.aux_loss, attn.router.aux_loss)
 
 
-@pytest.mark.xfail(reason=CPB_REASON, strict=False)
 def test_cosine_with_its_position_bias_scripts():
     attn = visattn.build_attention("cosine", 64, num_heads=8, grid_size=(4, 4))
     x = torch.randn(2, 17, 64)

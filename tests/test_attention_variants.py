@@ -176,13 +176,14 @@ def test_log_spaced_coords_cover_every_offset_once():
     assert table.shape == (5 * 7, 2) and index.shape == (12 * 12,)
     pairs = table[index].view(12, 12, 2)
     torch.testing.assert_close(pairs.diagonal(dim1=0, dim2=1), torch.zeros(2, 12))
-    # token 0 is (0, 0), token 11 is (2, 3): offset (-2, -3), log-spaced
-    expected = -torch.log2(torch.tensor([3.0, 4.0])) / 3
+    # token 0 is (0, 0), token 11 is (2, 3): offset (-2, -3), scaled by 8 / (grid - 1) as the release
+    # does (-> (-8, -8)), then log-spaced
+    expected = -torch.log2(torch.tensor([9.0, 9.0])) / 3
     torch.testing.assert_close(pairs[0, 11], expected)
     torch.testing.assert_close(pairs[11, 0], -expected)
     table, index = log_spaced_relative_coords((4, 4), (2, 2))  # pooled keys (TransNeXt)
     assert index.shape == (16 * 4,)
-    torch.testing.assert_close(table[index].view(16, 4, 2)[0, 0], -torch.log2(torch.tensor([1.5, 1.5])) / 3)
+    torch.testing.assert_close(table[index].view(16, 4, 2)[0, 0], -torch.log2(torch.tensor([7 / 3, 7 / 3])) / 3)
 
 
 def test_cosine_bias_table_shape_and_no_bias_for_leading_tokens():
@@ -196,7 +197,7 @@ def test_cosine_bias_table_shape_and_no_bias_for_leading_tokens():
     assert m.cpb((2, 2), (1, 1)).shape == (4, 4, 1)
     m.set_grid_size((3, 3))
     assert m.relative_position_bias(10, 10).shape == (4, 10, 10)
-    assert m.cpb.coords((3, 3))[0] is m.cpb.coords((3, 3))[0]  # computed once per size
+    torch.testing.assert_close(m.cpb.coords((3, 3))[0], m.cpb.coords((3, 3))[0])  # deterministic per size
     with pytest.raises(ValueError, match="does not fit 7 queries"):
         m(_x())
     with pytest.raises(ValueError, match="grid_size"):

@@ -191,11 +191,13 @@ def test_torchscript_with_plain_attention_in_the_last_stage():
         torch.testing.assert_close(scripted(x), model(x))
 
 
-@pytest.mark.xfail(strict=False, reason="needs scriptable HeadAttention (wt-timm)")
-@pytest.mark.parametrize("preset", ["transnext_micro", "moh_transnext_small_75"])
-def test_torchscript_transnext_and_moh(preset):
+TOY_MOH = {"name": "cosine", "shared_heads": [1, 1, 1, 2], "routed_topk": [0, 1, 1, 1]}  # fits TOY's heads
+
+
+@pytest.mark.parametrize("preset, extra", [("transnext_micro", {}), ("moh_transnext_small_75", {"attn": TOY_MOH})])
+def test_torchscript_transnext_and_moh(preset, extra):
     torch.manual_seed(0)
-    model = timm.create_model(f"visattn_{preset}", **TOY).eval()
+    model = timm.create_model(f"visattn_{preset}", **TOY, **extra).eval()
     scripted = torch.jit.script(model)
     x = torch.randn(1, 3, 64, 64)
     with torch.no_grad():

@@ -170,7 +170,7 @@ class CosineAttention(HeadAttention):
         temperature_init: initial softplus(temperature) per head.
     """
 
-    list_kwargs = ("grid_size",)
+    list_kwargs = ("grid_size", "pretrain_size")
 
     def __init__(
         self,

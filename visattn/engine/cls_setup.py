@@ -18,6 +18,8 @@ import visattn.models  # noqa: F401  (registers the visattn_* timm models)
 from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
 from visattn.data.datasets import check_data_config
 from visattn.models.budgets import apply_budget
+from visattn.models.transnext import TransNeXt
+from visattn.models.transnext import checkpoint_filter_fn as transnext_checkpoint_filter_fn
 from visattn.utils.checkpoint import load_weights
 
 from .amp import normalize_amp
@@ -176,6 +178,8 @@ def load_model_weights(model: nn.Module, path: str | Path, new_head_ok: bool = F
         from timm.models.vision_transformer import checkpoint_filter_fn
 
         state = checkpoint_filter_fn(state, model)
+    elif isinstance(model, TransNeXt):  # released TransNeXt / MoH-ViT keys, and our old stage layout
+        state = transnext_checkpoint_filter_fn(state, model)
     own = model.state_dict()
     attn_prefixes = tuple(f"{name}." for name, _ in attention_modules(model))
     head_names = [n for n in own if fnmatch.fnmatch(n, "head.*")]

@@ -49,6 +49,7 @@ from visattn.attention import (
 )
 from visattn.attention.cosine import CosineAttention
 from visattn.attention.routing import default_budget
+from visattn.models.budgets import get_budget
 
 from .aggregated_attention import AggregatedAttention
 
@@ -480,11 +481,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # MoH-ViT budgets per stage (MoH release): backbone preset, shared heads, routed top-k.
-MOH_PRESETS: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {
-    "moh_transnext_small_80": ("transnext_small", (3, 6, 3, 8), (0, 0, 6, 12)),
-    "moh_transnext_small_75": ("transnext_small", (3, 6, 3, 4), (0, 0, 6, 12)),
-    "moh_transnext_base_75": ("transnext_base", (4, 8, 4, 5), (0, 0, 8, 16)),
-    "moh_transnext_base_50": ("transnext_base", (2, 2, 2, 4), (2, 4, 6, 8)),
+# preset -> (backbone, published budget in visattn.models.budgets, the one home of head budgets)
+MOH_PRESETS: dict[str, tuple[str, str]] = {
+    "moh_transnext_small_80": ("transnext_small", "MoH-ViT-S-80"),
+    "moh_transnext_small_75": ("transnext_small", "MoH-ViT-S-75"),
+    "moh_transnext_base_75": ("transnext_base", "MoH-ViT-B-75"),
+    "moh_transnext_base_50": ("transnext_base", "MoH-ViT-B-50"),
 }
 
 
@@ -498,10 +500,11 @@ def preset_kwargs(preset: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     overrides = dict(overrides)
     if preset not in MOH_PRESETS:
         return {**PRESETS[preset], **overrides}
-    backbone, shared, topk = MOH_PRESETS[preset]
+    backbone, budget_name = MOH_PRESETS[preset]
     name, attn_kwargs = parse_attn_spec(overrides.pop("attn", DEFAULT_ATTN))
     if attn_kwargs.get("shared_heads") is None and attn_kwargs.get("routed_topk") is None:
-        attn_kwargs.update(shared_heads=list(shared), routed_topk=list(topk))
+        budget = get_budget(budget_name)
+        attn_kwargs.update(shared_heads=list(budget.shared_heads), routed_topk=list(budget.routed_topk))
     return {**PRESETS[backbone], **overrides, "attn": {"name": name, **attn_kwargs}}
 
 
