@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import visattn
-from visattn.bench.active_flops import active_head_flops, query_side_flops
-from visattn.utils.flops import count_flops
+from visattn.utils.flops import active_head_flops, count_flops, query_side_flops
 
 
 def test_all_heads_active_equals_the_dense_count():
@@ -26,3 +25,16 @@ def test_half_the_heads_remove_half_the_query_side_work():
     assert active_head_flops(dense, x) == count_flops(dense.train(), x)
     # 4 B N C D + 4 B N^2 D with B=2, N=5, C=D=16
     assert query_side_flops(2, 5, 16, 16) == 4 * 2 * 5 * 16 * 16 + 4 * 2 * 25 * 16
+
+
+def test_counting_leaves_batch_norm_statistics_untouched():
+    """The dense count runs a training-mode forward; it must not move running statistics."""
+    torch.manual_seed(0)
+    half = visattn.build_attention("moh", dim=16, num_heads=4, shared_heads=1, routed_topk=1)
+    model = torch.nn.Sequential(half, torch.nn.BatchNorm1d(5)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flops = active_head_flops(model, torch.randn(2, 5, 16) + 3.0)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not model.training
+    assert flops < count_flops(model.train(), torch.randn(2, 5, 16))  # the 2 inactive heads are taken off

@@ -43,6 +43,7 @@ def test_run_writes_results_metrics_checkpoints(full_run):
     assert on_disk["task"] == "cls" and on_disk["attn"] == "moh" and on_disk["completed"] is True
     assert on_disk["amp"] in ("bf16", "none") and on_disk["amp_reason"].startswith("auto")
     assert on_disk["active_heads"] == [6, 8] and on_disk["active_ratio"] == 0.75  # 2 layers x (2 shared + 1 routed)
+    assert 0 < on_disk["active_head_flops_per_image"] <= on_disk["flops_per_image"]
     assert 0.0 <= on_disk["top1"] <= on_disk["top5"] <= 1.0 and on_disk["top1_best"] >= on_disk["top1"]
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert rows[0].split(",")[:5] == ["step", "epoch", "loss", "aux_loss", "lr"] and len(rows) == 3

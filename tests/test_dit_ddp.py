@@ -12,6 +12,8 @@ import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from visattn.engine.dit_sampling import all_labels
+from visattn.engine.dit_setup import sample_settings
 from visattn.engine.dit_trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +41,6 @@ def test_torchrun_two_processes_share_one_run_dir_and_sample_like_one(tmp_path):
     run(OmegaConf.to_container(cfg, resolve=True), tmp_path / "one")
     with np.load(run_dir / "samples.npz") as two, np.load(tmp_path / "one" / "samples.npz") as one:
         np.testing.assert_array_equal(two["arr_0"], one["arr_0"])  # every sample, odd indices included (labels are a function of the index)
+        np.testing.assert_array_equal(two["arr_1"], one["arr_1"])  # labels in index order, as the images
+        np.testing.assert_array_equal(one["arr_1"], all_labels(sample_settings(cfg), 8, 10))
+    assert 0.0 <= results["class_agreement"] <= 1.0

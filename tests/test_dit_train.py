@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 
 from visattn.data.latents import read_latent_cache
 from visattn.engine.checkpoints import latest_checkpoint
+from visattn.engine.dit_sampling import all_labels
+from visattn.engine.dit_setup import sample_settings
 from visattn.engine.dit_trainer import run
 from visattn.models.vae import load_sd_vae
 
@@ -75,7 +77,26 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
     run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), run_dir)
     with np.load(run_dir / "samples.npz") as f:
         assert f["arr_0"].shape == (3, 8, 8, 3) and f["arr_0"].dtype == np.uint8
+        sample_cfg = sample_settings(config("mode=sample", *TINY_MODEL, *vae_args))
+        np.testing.assert_array_equal(f["arr_1"], all_labels(sample_cfg, 3, 10))  # each sample's class
     assert (run_dir / "samples.png").is_file()
+
+
+def test_train_end_eval_scores_class_agreement_and_active_head_flops(tmp_path):
+    """The final evaluation passes each sample's conditioning label to the scorer and to samples.npz;
+    results.json holds class agreement (digits has a domain classifier) and both FLOPs counts."""
+    overrides = [o for o in TINY_MODEL if o != "eval.enabled=false"]
+    cfg = config("train.steps=1", *overrides, "eval.num_samples=8", "eval.head_load_images=16")
+    results = run(cfg, tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["class_agreement"] == results["class_agreement"]
+    assert isinstance(on_disk["class_agreement"], float) and 0.0 <= on_disk["class_agreement"] <= 1.0
+    assert on_disk["sfid"] is None and "left out" in on_disk["sfid_note"]  # 8 samples: far too few for sFID
+    # The executed (eval) path may already skip heads; the active-head count never exceeds it.
+    assert 0 < on_disk["active_head_flops_per_image"] <= on_disk["flops_per_image"]
+    with np.load(tmp_path / "samples.npz") as f:
+        assert f["arr_0"].shape[0] == 8
+        np.testing.assert_array_equal(f["arr_1"], all_labels(sample_settings(cfg), 8, 10))
 
 
 def test_dense_soft_weights_write_no_head_load(tmp_path):

@@ -249,3 +249,21 @@ def test_ranking_check_at_the_last_two_evaluations(study_dirs: Path, tmp_path: P
     assert "CHANGED between epoch 1 (b, a) and epoch 2 (a, b)" in ranking_sentence(check, "epoch", "eval top-1")
     assert ranking_check(settled[:1], "epoch", "top1") is None
     assert "Ranking by seed-mean eval top-1" in write_report([study_dirs], tmp_path / "r").read_text()
+
+
+def test_incomplete_runs_are_left_out_and_logged(tmp_path: Path, caplog) -> None:
+    """A failed run's results.json (completed: false, no final metrics) must not reach the tables."""
+    root = tmp_path / "runs"
+    done = make_run(root, "cls", "mha", 0, (8, 8), {"top1": 0.85, "completed": True})
+    legacy = make_run(root, "cls", "mha", 1, (8, 8), {"top1": 0.86})
+    failed = make_run(root, "cls", "mha", 2, (8, 8), {"completed": False, "failure": "non-finite loss"})
+    with caplog.at_level("WARNING", logger="visattn.report.runs"):
+        found = find_run_dirs([root])
+    assert found == sorted([done.resolve(), legacy.resolve()])
+    assert str(failed.resolve()) in caplog.text and "completed: false" in caplog.text
+    with pytest.raises(FileNotFoundError, match="finished run"):
+        find_run_dirs([failed])
+    (cell,) = group_cells(load_run(p) for p in found)
+    assert cell.values("top1") == [0.85, 0.86]
+    report = write_report([root], tmp_path / "out")
+    assert report.is_file()

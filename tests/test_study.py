@@ -176,3 +176,40 @@ def test_runner_runs_jobs_at_a_time_and_keeps_plan_order(tmp_path: Path) -> None
     assert report is not None and report.is_file()
     with pytest.raises(ValueError, match="jobs=0"):
         run_study(specs, tmp_path, "quick", "jobs test", jobs=0)
+
+
+def test_runner_reruns_incomplete_runs_and_skips_finished_ones(tmp_path: Path) -> None:
+    """A failed or preempted run writes results.json with completed: false; the runner launches it
+    again (it resumes by itself) and skips only the runs that finished."""
+    from visattn.study.plan import RunSpec
+    from visattn.study.runner import run_one
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(
+        "import json, sys, pathlib\n"
+        "run = pathlib.Path(sys.argv[1])\n"
+        "with (run / 'launches.txt').open('a') as f: f.write('x')\n"
+        "(run / 'results.json').write_text(json.dumps({'task': 'cls', 'completed': sys.argv[2] == 'ok'}))\n"
+    )
+
+    def spec(name: str, outcome: str, results: dict | None) -> RunSpec:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        if results is not None:
+            (run_dir / "results.json").write_text(json.dumps(results))
+        return RunSpec("cls", "mha", 0, run_dir, str(script), (str(run_dir), outcome))
+
+    finished = spec("finished", "ok", {"task": "cls", "completed": True})
+    legacy = spec("legacy", "ok", {"task": "cls"})  # no key: an older engine's finished run
+    failed = spec("failed", "ok", {"task": "cls", "completed": False, "failure": "non-finite loss"})
+    preempted = spec("preempted", "stop", {"task": "cls", "completed": False, "preempted": True})
+
+    assert run_one(finished, "quick", 60).status.startswith("skipped")
+    assert run_one(legacy, "quick", 60).status.startswith("skipped")
+    assert run_one(failed, "quick", 60).status == "done"
+    again = run_one(preempted, "quick", 60)  # exits 0 but still says completed: false
+    assert again.status.startswith("incomplete") and again.failed
+    assert not (finished.run_dir / "launches.txt").exists() and not (legacy.run_dir / "launches.txt").exists()
+    assert (failed.run_dir / "launches.txt").read_text() == "x"
+    assert (preempted.run_dir / "launches.txt").read_text() == "x"
+    assert json.loads((failed.run_dir / "results.json").read_text())["completed"] is True

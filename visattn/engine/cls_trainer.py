@@ -28,6 +28,7 @@ from visattn.data.images import skipped_files
 from visattn.data.loaders import build_loaders, build_mixup
 from visattn.data.registry import class_names
 from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
+from visattn.utils.flops import active_head_flops
 
 from .amp import choose_amp
 from .checkpoints import (
@@ -316,6 +317,7 @@ class ClsRun:
             "seed": self.cfg.seed, "world_size": self.dist.world_size,
             "active_heads": [active, total], "active_ratio": active / max(total, 1),
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
+            "active_head_flops_per_image": active_head_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), "wall_time_s": time.perf_counter() - self.t0,
             "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
             # data.bad_images=skip: what this process left out (each rank verifies and skips alike)

@@ -22,7 +22,7 @@ from visattn.engine.distributed import (
     broadcast_object,
 )
 from visattn.engine.dit_data import build_codec
-from visattn.engine.dit_sampling import build_scorer, generate_all, save_samples
+from visattn.engine.dit_sampling import all_labels, build_scorer, generate_all, save_samples
 from visattn.engine.dit_setup import build_diffusion, build_model, sample_settings
 from visattn.engine.results import (
     Throughput,
@@ -31,12 +31,14 @@ from visattn.engine.results import (
 )
 from visattn.models.dit import DiT
 from visattn.utils.checkpoint import load_weights
+from visattn.utils.flops import active_head_flops
 
 log = logging.getLogger(__name__)
 
 
 def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[str, Any]:
-    """results.json fields that describe the model."""
+    """results.json fields that describe the model: executed FLOPs (eval mode) and active-head FLOPs
+    (``visattn.utils.flops.active_head_flops``) of one image at one denoising step."""
     active, total = visattn.active_heads(model)
     shape = (1, model.in_channels, model.input_size, model.input_size)
     x = torch.zeros(shape, device=dist.device)
@@ -51,6 +53,7 @@ def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[s
         "active_ratio": active / total if total else None,
         "params": count_params(model),
         "flops_per_image": model_flops(model, x, t, y),
+        "active_head_flops_per_image": active_head_flops(model, x, t, y),
     }
 
 
@@ -69,10 +72,11 @@ def evaluate_model(
     timer.stop(num_samples)
     scores: dict[str, Any] = {}
     if dist.is_main:
+        labels = all_labels(settings, num_samples, model.num_classes)
         if save:
-            save_samples(run_dir, images, int(cfg["sample"]["grid"]))
+            save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
         scorer, reference = scorer
-        scores = scorer.score(images, reference)
+        scores = scorer.score(images, reference, labels=labels)
         scores.update({
             "cfg_scale": float(settings["cfg_scale"]),
             "guided_channels": settings.get("guided_channels"),
@@ -112,7 +116,8 @@ def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[s
     )
     if not dist.is_main:
         return {}
-    path = save_samples(run_dir, images, int(cfg["sample"]["grid"]))
+    labels = all_labels(sample_settings(cfg), num_samples, model.num_classes)
+    path = save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
     return {"samples": str(path), "num_samples": num_samples}
 
 

@@ -70,6 +70,12 @@ def generate(
     return images, labels.numpy()
 
 
+def all_labels(sample_cfg: Mapping[str, Any], num_samples: int, num_classes: int) -> np.ndarray:
+    """The conditioning class of every global sample index 0..N-1 (int64 [N]), as ``generate`` draws
+    them with ``sample_cfg["seed"]``: the labels of ``generate_all``'s images, in index order."""
+    return sample_labels(int(sample_cfg["seed"]), list(range(num_samples)), num_classes).numpy()
+
+
 def generate_all(
     model: nn.Module, diffusion: GaussianDiffusion, decode, sample_cfg: Mapping[str, Any], dist: DistInfo,
     num_samples: int, run_dir: Path, progress: bool = True,
@@ -102,10 +108,11 @@ def generate_all(
     return merged
 
 
-def save_samples(run_dir: Path, images: np.ndarray, grid: int) -> Path:
-    """``samples.npz`` (ADM layout: arr_0 uint8 [N, H, W, C]) and a PNG grid of the first ``grid``."""
+def save_samples(run_dir: Path, images: np.ndarray, grid: int, labels: np.ndarray | None = None) -> Path:
+    """``samples.npz`` (ADM layout: arr_0 uint8 [N, H, W, C]; with ``labels``, arr_1 int64 [N], each
+    sample's conditioning class) and a PNG grid of the first ``grid``."""
     path = run_dir / SAMPLES_FILE
-    save_npz_batch(path, ReferenceBatch(images=images))
+    save_npz_batch(path, ReferenceBatch(images=images), labels=labels)
     n = min(grid, len(images))
     if n:
         cols = math.ceil(math.sqrt(n))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 ENTRY_POINTS = {"cls": "train_cls.py", "dit": "train_dit.py"}
 # A generation run's grid of its first samples (written by visattn.engine.dit_sampling.save_samples).
@@ -149,8 +152,24 @@ def load_run(path: str | Path) -> Run:
     )
 
 
+def run_completed(path: str | Path) -> bool:
+    """Whether the run directory's results.json records a finished run. A failed or preempted run
+    writes ``completed: false``; results without the key (eval runs, older engines) count as
+    finished, and so does an unreadable file (``load_run`` then says what is wrong with it)."""
+    results_file = Path(path) / "results.json"
+    if not results_file.is_file():
+        return False
+    try:
+        results = json.loads(results_file.read_text())
+    except json.JSONDecodeError:
+        return True
+    return not (isinstance(results, dict) and results.get("completed") is False)
+
+
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
-    """Every directory at or below ``paths`` that holds a results.json, sorted, without duplicates."""
+    """Every directory at or below ``paths`` that holds the results.json of a finished run, sorted,
+    without duplicates. Runs whose results.json says ``completed: false`` (failed or preempted; they
+    lack the final metrics) are left out and logged."""
     found: set[Path] = set()
     for raw in paths:
         path = Path(raw)
@@ -160,8 +179,14 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
             found.add(path.resolve())
         elif path.is_dir():
             found.update(p.parent.resolve() for p in path.rglob("results.json"))
+    unfinished = sorted(path for path in found if not run_completed(path))
+    for path in unfinished:
+        log.warning("leaving out %s: its results.json says completed: false (failed or preempted; "
+                    "re-run it to resume)", path)
+    found.difference_update(unfinished)
     if not found:
-        raise FileNotFoundError(f"no results.json under {[str(p) for p in paths]}: no finished runs to report")
+        raise FileNotFoundError(f"no results.json of a finished run under {[str(p) for p in paths]}: "
+                                "no finished runs to report")
     return sorted(found)
 
 

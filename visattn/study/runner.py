@@ -3,9 +3,11 @@
 On a CPU machine, ``jobs`` runs of one thread each use the cores better than one run of ``jobs``
 threads (small models lose more to thread hand-offs than they gain).
 
-Runs whose directory already holds a results.json are skipped, so an interrupted study resumes
-where it stopped. A failed or timed-out run is logged (its output stays in ``train.log``) and the
-study goes on; the report then covers the runs that finished.
+Runs whose directory already holds the results.json of a finished run are skipped, so an
+interrupted study resumes where it stopped; a run whose results.json says ``completed: false``
+(failed or preempted) is launched again and resumes from its last checkpoint (``resume=auto``;
+``train.log`` is appended to). A failed or timed-out run is logged and the study goes on; the
+report then covers the runs that finished.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from visattn.engine.results import write_json
 from visattn.report.document import write_report
 from visattn.report.machine import describe_machine
+from visattn.report.runs import run_completed
 
 from .plan import REPO_ROOT, RunSpec
 
@@ -43,7 +46,7 @@ class RunOutcome:
 
 def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = sys.executable) -> RunOutcome:
     """Launch one run (its output to ``run_dir/train.log``); never raises for a failed run."""
-    if (spec.run_dir / "results.json").is_file():
+    if run_completed(spec.run_dir):
         return RunOutcome(spec, "skipped (results.json exists)", 0.0)
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     cell_info = {"cell": spec.cell, "task": spec.task, "seed": spec.seed, "profile": profile,
@@ -51,7 +54,7 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
     write_json(spec.run_dir / "cell.json", cell_info)
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    with (spec.run_dir / "train.log").open("w") as logfile:
+    with (spec.run_dir / "train.log").open("a") as logfile:  # a resumed run appends
         try:
             code = subprocess.run(spec.argv(python), cwd=REPO_ROOT, stdout=logfile, stderr=subprocess.STDOUT,
                                   timeout=timeout_s, check=False).returncode
@@ -64,6 +67,8 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
         return RunOutcome(spec, f"failed (exit {code})", wall)
     if not (spec.run_dir / "results.json").is_file():
         return RunOutcome(spec, "failed (no results.json)", wall)
+    if not run_completed(spec.run_dir):
+        return RunOutcome(spec, "incomplete (results.json says completed: false)", wall)
     return RunOutcome(spec, "done", wall)
 
 
@@ -97,7 +102,7 @@ def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: st
                   "status": o.status, "wall_time_s": o.wall_time_s, "command": o.spec.command} for o in outcomes],
     })
     failed = [o for o in outcomes if o.failed]
-    finished_dirs = [o.spec.run_dir for o in outcomes if (o.spec.run_dir / "results.json").is_file()]
+    finished_dirs = [o.spec.run_dir for o in outcomes if run_completed(o.spec.run_dir)]
     if not finished_dirs:
         log.error("no run finished; no report written (see the train.log files under %s)", out / "runs")
         return None, outcomes

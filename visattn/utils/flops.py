@@ -4,6 +4,19 @@ torch's counter has formulas for the CUDA SDPA kernels only, so on CPU the fused
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) counts 0 FLOPs. The formulas
 here are passed per counting session (``custom_mapping``), so torch's global registry stays untouched.
 Convention: torch's, 2 FLOPs per multiply-accumulate; attention forward is ``4 * B * H * N * M * d``.
+
+Active-head FLOPs (``active_head_flops``) are what a model would cost if only its active heads did
+their query-side work. Executed FLOPs (``count_flops`` in eval mode) count the path the code runs,
+which for several MoH settings is the dense path (every head computed, then weighted). Active-head
+FLOPs are the budget a head-skipping kernel could reach: the dense forward's FLOPs minus, per
+attention layer ``x: [B, N, C]`` with ``a`` of ``h`` heads active per token,
+
+    (1 - a / h) * (q projection + scores + weighted values + output projection)
+  = (1 - a / h) * (4 * B * N * C * D + 4 * B * N^2 * D),     D = h * head_dim (the heads' total width)
+
+Keys and values are computed for every head (any token may attend to them), and the router is
+counted as executed. For a model that activates every head, active-head FLOPs equal the dense
+forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -55,3 +68,44 @@ def count_flops(model_or_fn: nn.Module | Callable[..., Any], *inputs: Any, **kwa
         else:
             model_or_fn(*inputs, **kwargs)
     return int(counter.get_total_flops())
+
+
+def query_side_flops(batch: int, tokens: int, dim: int, attn_dim: int) -> int:
+    """q projection + q k^T + attention x v + output projection of one layer with all heads."""
+    return 4 * batch * tokens * dim * attn_dim + 4 * batch * tokens**2 * attn_dim
+
+
+def _is_head_layer(module: nn.Module) -> bool:
+    """An attention layer that reports its active heads: ``active_heads -> (active, total)`` and
+    ``attn_dim`` (``visattn.attention.base.HeadAttention``; matched by attribute, so this module
+    stays below ``visattn.attention``)."""
+    return hasattr(module, "attn_dim") and isinstance(getattr(module, "active_heads", None), tuple)
+
+
+def active_head_flops(model: nn.Module, *inputs: torch.Tensor) -> float:
+    """Active-head FLOPs of ``model(*inputs)`` (see the module docstring). The dense forward is
+    counted in training mode under ``no_grad`` (where every head runs), with the RNG and the buffers
+    (e.g. batch-norm running statistics) left untouched. Each head layer's first input is ``x: [B, N, C]``."""
+    skipped: list[float] = []
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        active, total = module.active_heads
+        if active < total:
+            b, n, c = args[0].shape
+            skipped.append((1 - active / total) * query_side_flops(b, n, c, module.attn_dim))
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if _is_head_layer(m)]
+    was_training = model.training
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    try:
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            dense = count_flops(model, *inputs)
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
+        for handle in handles:
+            handle.remove()
+    return float(dense - sum(skipped))
