@@ -192,7 +192,7 @@ def _scaled(value: float | None, units: Sequence[tuple[float, str]]) -> str:
 
 
 def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
-    """Parameters, executed and active-head FLOPs (``visattn.bench.active_flops``), and measured
+    """Parameters, executed and active-head FLOPs (``visattn.utils.flops.active_head_flops``), and measured
     throughput / peak memory as ratios to MHA (mean over seeds)."""
     header = [
         "variant",
