@@ -267,3 +267,12 @@ def test_incomplete_runs_are_left_out_and_logged(tmp_path: Path, caplog) -> None
     assert cell.values("top1") == [0.85, 0.86]
     report = write_report([root], tmp_path / "out")
     assert report.is_file()
+
+
+def test_recorded_absolute_run_dir_is_shown_relative_to_the_repository():
+    from visattn.report.runs import REPO_ROOT, Run
+
+    run_dir = REPO_ROOT / "docs" / "results" / "x" / "runs" / "cls" / "00_mha" / "seed0"
+    command = f"python train_cls.py attn=mha seed=0 hydra.run.dir=/elsewhere/clone/{run_dir.relative_to(REPO_ROOT)}"
+    run = Run(path=run_dir, results={"task": "cls"}, cell_info={"command": command})
+    assert run.command == "python train_cls.py attn=mha seed=0 hydra.run.dir=docs/results/x/runs/cls/00_mha/seed0"

@@ -15,6 +15,8 @@ import csv
 import json
 import logging
 import math
+import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +27,16 @@ import yaml
 log = logging.getLogger(__name__)
 
 ENTRY_POINTS = {"cls": "train_cls.py", "dit": "train_dit.py"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN_DIR_OVERRIDE = re.compile(r"hydra\.run\.dir=\S+")
 # A generation run's grid of its first samples (written by visattn.engine.dit_sampling.save_samples).
 SAMPLE_GRID = "samples.png"
 # Attention kwargs that distinguish two variants with one registered name (ablations).
 DISTINGUISHING_KWARGS = ("two_stage", "router", "gate", "num_kv_heads")
+
+
+def _repo_relative(path: Path) -> str:
+    return os.path.relpath(Path(path).resolve(), REPO_ROOT)
 
 
 @dataclass
@@ -66,7 +74,9 @@ class Run:
     @property
     def command(self) -> str | None:
         if self.cell_info.get("command"):
-            return str(self.cell_info["command"])
+            # Older runs recorded an absolute run dir: show it relative to the repository (the runs'
+            # working directory), so a report holds no path of the machine that ran it.
+            return RUN_DIR_OVERRIDE.sub(f"hydra.run.dir={_repo_relative(self.path)}", str(self.cell_info["command"]))
         overrides = self.path / ".hydra" / "overrides.yaml"
         if overrides.is_file():
             items = yaml.safe_load(overrides.read_text()) or []
