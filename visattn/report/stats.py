@@ -20,6 +20,7 @@ from scipy import stats as scipy_stats
 CONFIDENCE = 0.95
 FAMILY_ALPHA = 1 - CONFIDENCE  # Holm's family-wise error rate over one table's verdicts
 BETTER, WORSE, WITHIN_NOISE, NOT_RANKED, REFERENCE = "better", "worse", "within noise", "not ranked (n<2)", "reference"
+NO_SPREAD = "not tested (no spread)"  # n >= 2 but every per-seed difference equal: t is undefined
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ def compare(candidate: Summary | None, reference: Summary | None, higher_is_bett
 
 @dataclass(frozen=True)
 class PairedDifference:
-    """candidate - reference over the ``n`` seeds both have; interval and p are None when n < 2."""
+    """candidate - reference over the ``n`` seeds both have; p is None when n < 2 or the differences
+    have no spread (no test), the interval when n < 2."""
 
     n: int
     mean: float
@@ -88,7 +90,9 @@ class PairedDifference:
 
 def paired_difference(candidate: Mapping[Any, float], reference: Mapping[Any, float]) -> PairedDifference | None:
     """Paired t statistics of ``candidate[seed] - reference[seed]`` over the seeds both measured
-    (``{seed: value}``); None when they share no seed. Zero spread: p = 0 for a non-zero mean, 1 else."""
+    (``{seed: value}``); None when they share no seed. Zero spread leaves the test undefined (p None:
+    not ranked): with a handful of seeds it comes from a metric at its floor or ceiling (recall 0 for
+    every run), not from a difference measured without noise."""
     seeds = [s for s in candidate if s in reference and _finite(candidate[s]) and _finite(reference[s])]
     if not seeds:
         return None
@@ -97,10 +101,9 @@ def paired_difference(candidate: Mapping[Any, float], reference: Mapping[Any, fl
     if not summary.has_interval:
         return PairedDifference(1, summary.mean, None, None, None)
     if summary.std == 0:
-        p_value = 0.0 if summary.mean != 0 else 1.0
-    else:
-        t = summary.mean / (summary.std / math.sqrt(summary.n))
-        p_value = float(2 * scipy_stats.t.sf(abs(t), df=summary.n - 1))
+        return PairedDifference(summary.n, summary.mean, summary.low, summary.high, None)
+    t = summary.mean / (summary.std / math.sqrt(summary.n))
+    p_value = float(2 * scipy_stats.t.sf(abs(t), df=summary.n - 1))
     return PairedDifference(summary.n, summary.mean, summary.low, summary.high, p_value)
 
 
@@ -124,14 +127,15 @@ def holm(p_values: Sequence[float | None], alpha: float = FAMILY_ALPHA) -> list[
 
 def paired_verdicts(differences: Sequence[PairedDifference | None], higher_is_better: Sequence[bool]) -> list[str]:
     """One table's family of paired differences -> verdicts: better / worse where Holm rejects,
-    within noise where it does not, not ranked with fewer than 2 shared seeds, — when unmeasured."""
+    within noise where it does not, not ranked with fewer than 2 shared seeds or differences without
+    spread, — when unmeasured."""
     rejected = holm([None if d is None else d.p_value for d in differences])
     out = []
     for diff, reject, higher in zip(differences, rejected, higher_is_better, strict=True):
         if diff is None:
             out.append("—")
         elif reject is None:
-            out.append(NOT_RANKED)
+            out.append(NOT_RANKED if diff.n < 2 else NO_SPREAD)
         elif not reject:
             out.append(WITHIN_NOISE)
         else:
