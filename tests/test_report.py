@@ -284,4 +284,7 @@ def test_differences_without_spread_are_not_tested():
     difference measured without noise: no p value, so no verdict."""
     diff = paired_difference({0: 0.002, 1: 0.002, 2: 0.002}, {0: 0.0, 1: 0.0, 2: 0.0})
     assert diff.p_value is None and diff.mean == pytest.approx(0.002)
+    # the 2026-11-22 study's recall: differences equal up to float rounding count as no spread
+    rounded = paired_difference({0: 0.0002, 1: 0.0003, 2: 0.0002}, {0: 0.0, 1: 0.0001, 2: 0.0})
+    assert rounded.p_value is None
     assert paired_verdicts([diff], [True]) == ["not tested (no spread)"]

@@ -20,6 +20,7 @@ from scipy import stats as scipy_stats
 CONFIDENCE = 0.95
 FAMILY_ALPHA = 1 - CONFIDENCE  # Holm's family-wise error rate over one table's verdicts
 BETTER, WORSE, WITHIN_NOISE, NOT_RANKED, REFERENCE = "better", "worse", "within noise", "not ranked (n<2)", "reference"
+SPREAD_RTOL = 1e-9  # per-seed differences whose std is below this x the values' magnitude have no spread
 NO_SPREAD = "not tested (no spread)"  # n >= 2 but every per-seed difference equal: t is undefined
 
 
@@ -100,7 +101,9 @@ def paired_difference(candidate: Mapping[Any, float], reference: Mapping[Any, fl
     summary = summarize(diffs)
     if not summary.has_interval:
         return PairedDifference(1, summary.mean, None, None, None)
-    if summary.std == 0:
+    # Spread at floating-point rounding level (0.0003 - 0.0001 vs 0.0002) counts as none.
+    scale = max(abs(float(v)) for s in seeds for v in (candidate[s], reference[s]))
+    if summary.std <= SPREAD_RTOL * scale:
         return PairedDifference(summary.n, summary.mean, summary.low, summary.high, None)
     t = summary.mean / (summary.std / math.sqrt(summary.n))
     p_value = float(2 * scipy_stats.t.sf(abs(t), df=summary.n - 1))
