@@ -17,10 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from visattn.engine.dit_trainer import run
-from visattn.engine.launch import export_slurm_env, launched_rank, register_resolvers, worker_rank_overrides
+from visattn.engine.launch import launched_rank, prepare_entry_point
 from visattn.engine.preempt import Preempted, exit_preempted
-from visattn.engine.runlock import RunDirBusy, refuse_busy_run_dir
-from visattn.utils.allocator import tune_glibc_malloc
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_dit")
@@ -35,13 +33,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    tune_glibc_malloc()
-    export_slurm_env()
-    register_resolvers()
-    if launched_rank() == 0:  # (other ranks share rank 0's run dir, which rank 0 may hold already)
-        try:
-            refuse_busy_run_dir(sys.argv[1:])  # before Hydra writes .hydra/ into another live run's dir
-        except RunDirBusy as busy:
-            sys.exit(f"error: {busy}")
-    sys.argv += worker_rank_overrides(sys.argv)
+    prepare_entry_point(sys.argv)
     main()

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf
 from .checkpoints import remove_stale
 from .distributed import DistInfo, broadcast_object, cleanup_distributed, init_distributed
 from .preempt import StopSignal
-from .runlock import RunDirBusy, RunLock
+from .runlock import RunDirBusy, RunLock, refuse_busy_run_dir
 from .runlog import setup_logging
 
 log = logging.getLogger(__name__)
@@ -114,3 +115,21 @@ def launched(device: str, num_threads: int | None, local_run_dir: str | Path) ->
             yield Launched(dist, run_dir, stop)
     finally:
         cleanup_distributed()
+
+
+def prepare_entry_point(argv: list[str]) -> None:
+    """What both entry points do before ``@hydra.main`` runs: keep freed buffers in the process, take
+    SLURM's rank variables, register our resolvers, refuse a run dir held by a live run (before Hydra
+    writes ``.hydra/`` into it), and point torchrun's other ranks at rank 0's run dir. Edits ``argv``
+    (``sys.argv``) in place."""
+    from visattn.utils.allocator import tune_glibc_malloc
+
+    tune_glibc_malloc()
+    export_slurm_env()
+    register_resolvers()
+    if launched_rank() == 0:  # (other ranks share rank 0's run dir, which rank 0 may hold already)
+        try:
+            refuse_busy_run_dir(argv[1:])
+        except RunDirBusy as busy:
+            sys.exit(f"error: {busy}")
+    argv += worker_rank_overrides(argv)
