@@ -213,3 +213,20 @@ def test_runner_reruns_incomplete_runs_and_skips_finished_ones(tmp_path: Path) -
     assert (failed.run_dir / "launches.txt").read_text() == "x"
     assert (preempted.run_dir / "launches.txt").read_text() == "x"
     assert json.loads((failed.run_dir / "results.json").read_text())["completed"] is True
+
+
+def test_runner_refuses_run_dirs_of_another_recipe(tmp_path: Path) -> None:
+    """Resuming into a folder that holds another study's runs would report them as this study's."""
+    from visattn.study.plan import RunSpec
+    from visattn.study.runner import check_run_dirs
+
+    run_dir = tmp_path / "runs" / "cls" / "00_mha" / "seed0"
+    spec = RunSpec("cls", "mha", 0, run_dir, "train_cls.py", ("train.epochs=6", "seed=0"))
+    check_run_dirs([spec])  # nothing there yet
+    run_dir.mkdir(parents=True)
+    (run_dir / "cell.json").write_text(json.dumps({"command": spec.command}))
+    check_run_dirs([spec])  # the same recipe: resumable
+    (run_dir / "cell.json").write_text(json.dumps({"command": "python train_cls.py train.epochs=2 seed=0"}))
+    with pytest.raises(ValueError, match="another recipe") as err:
+        check_run_dirs([spec])
+    assert str(run_dir) in str(err.value) and "--out" in str(err.value)

@@ -13,6 +13,7 @@ report then covers the runs that finished.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import subprocess
@@ -72,6 +73,24 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
     return RunOutcome(spec, "done", wall)
 
 
+def check_run_dirs(specs: Sequence[RunSpec]) -> None:
+    """Refuse to resume into run dirs that hold a run of another recipe: keeping such a run as
+    "finished" would mix two studies in one report. Raises ValueError naming the dir and the fix."""
+    for spec in specs:
+        cell = spec.run_dir / "cell.json"
+        if not cell.is_file():
+            continue
+        try:
+            recorded = json.loads(cell.read_text()).get("command")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{cell} is unreadable ({err}); delete {spec.run_dir} to run it again") from None
+        if recorded is not None and recorded != spec.command:
+            raise ValueError(
+                f"{spec.run_dir} holds a run of another recipe:\n  recorded: {recorded}\n  planned:  {spec.command}\n"
+                f"give this study another --out, or move that study's folder away"
+            )
+
+
 def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: str, command: str = "",
               timeout_s: float | None = None, python: str = sys.executable,
               jobs: int = 1) -> tuple[Path | None, list[RunOutcome]]:
@@ -80,6 +99,7 @@ def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: st
     order. ``command`` is the study's own command line."""
     if jobs < 1:
         raise ValueError(f"jobs={jobs} must be >= 1")
+    check_run_dirs(specs)
     out.mkdir(parents=True, exist_ok=True)
     started = dt.datetime.now(dt.timezone.utc)
 
