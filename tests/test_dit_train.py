@@ -58,7 +58,7 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
     cache = read_latent_cache(tmp_path / "cache")
     assert cache.mean.shape == (40, 2, 4, 4, 4) and cache.scale == pytest.approx(0.18215)
 
-    from visattn.data.sources import load_digits_arrays
+    from visattn.data.sets.digits import load_digits_arrays
 
     images, labels = load_digits_arrays("train")
     vae = load_sd_vae(tiny_vae_dir)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from visattn.data.sources import load_arrays
+from visattn.data.registry import load_arrays
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, save_npz_batch
 from visattn.metrics.__main__ import main
 from visattn.metrics.domain import DOMAIN_RECIPES, domain_extractor_path, train_domain_extractor

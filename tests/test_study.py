@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from visattn.data.sources import fashion_mnist_available
+from visattn.data.sets.fashion_mnist import fashion_mnist_available
 from visattn.study import format_override, load_study_config, plan_runs, run_study
 from visattn.study.plan import REPO_ROOT, merge_overrides
 from visattn.study.subset import balanced_indices, write_fashion_mnist_subset

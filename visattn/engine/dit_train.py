@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 import visattn
-from visattn.data.sources import class_names
+from visattn.data.registry import class_names
 from visattn.diffusion import GaussianDiffusion, conditional_fn
 from visattn.engine.amp import choose_amp
 from visattn.engine.checkpoints import (

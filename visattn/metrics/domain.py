@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from visattn.data.sources import load_arrays
+from visattn.data.registry import load_arrays
 from visattn.utils.checkpoint import atomic_write_bytes, load_weights
 
 from .extractor import FeatureExtractor

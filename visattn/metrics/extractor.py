@@ -17,7 +17,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-EXTRACTOR_NAMES = ("inception", "digits", "fashion_mnist")
+from visattn.data import array_dataset_names, domain_extractor
+
+
+def extractor_names() -> tuple[str, ...]:
+    """``inception`` and the domain classifiers that registered array datasets name."""
+    domain = {domain_extractor(name) for name in array_dataset_names()} - {None}
+    return ("inception", *sorted(domain))
+
+
+EXTRACTOR_NAMES = extractor_names()  # the registry's built-in datasets (visattn/data/sets)
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,7 @@ def build_extractor(
         from .inception import InceptionExtractor
 
         extractor: FeatureExtractor = InceptionExtractor(weights)
-    elif name in ("digits", "fashion_mnist"):
+    elif name in extractor_names():
         from .domain import load_domain_extractor
 
         extractor = load_domain_extractor(name, weights=weights, cache_dir=cache_dir, root=data_root)

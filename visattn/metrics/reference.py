@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from visattn.data.sources import load_arrays
+from visattn.data.registry import is_array_dataset, load_arrays
 from visattn.utils.checkpoint import atomic_write_bytes
 
 from .extractor import FeatureExtractor, check_images
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 STATISTICS_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff")
-DATASET_SOURCES = ("digits", "fashion_mnist")
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ def build_reference(
     With an ``extractor``, the statistics are computed over every image; ``arr_0`` keeps all of
     them, or a seeded random subset of ``keep_images`` (ADM keeps 10k for precision/recall).
     """
-    if str(source) in DATASET_SOURCES:
+    if is_array_dataset(str(source)):
         images = dataset_images(str(source), split, size, root)
     else:
         if size is None:

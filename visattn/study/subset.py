@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from visattn.data.sources import _FASHION_FILES, fashion_mnist_available, load_fashion_mnist_arrays, write_idx
+from visattn.data.idx import write_idx
+from visattn.data.sets.fashion_mnist import FILES, fashion_mnist_available, load_fashion_mnist_arrays
 
 
 def balanced_indices(labels: np.ndarray, per_class: int) -> np.ndarray:
@@ -37,7 +38,7 @@ def write_fashion_mnist_subset(out: Path, train_per_class: int, test_per_class: 
     for split, per_class in (("train", train_per_class), ("test", test_per_class)):
         images, labels = load_fashion_mnist_arrays(split, root)
         keep = balanced_indices(labels, per_class)
-        image_stem, label_stem = _FASHION_FILES[split]
+        image_stem, label_stem = FILES[split]
         write_idx(partial / f"{image_stem}.gz", images[keep, ..., 0])
         write_idx(partial / f"{label_stem}.gz", labels[keep].astype(np.uint8))
     shutil.rmtree(out, ignore_errors=True)
