@@ -126,8 +126,10 @@ def plan_runs(
     extra_overrides: Mapping[str, Sequence[str]] | None = None,
     conf_dir: Path = STUDY_CONF,
 ) -> list[RunSpec]:
-    """Every run of the profile, in study order: per task, per cell, per seed (``core_seeds`` for
-    the cells marked ``core``). Paths in the overrides are relative to the repository root.
+    """Every run of the profile, in study order: seed by seed, and within a seed per task, per cell
+    (``core_seeds`` for the cells marked ``core``), so a study stopped part-way (it runs in
+    sittings) has every cell at the same number of seeds. Paths in the overrides are relative to the
+    repository root.
 
     ``tasks`` / ``cells`` / ``seeds`` select a subset (ValueError naming unknown ones);
     ``extra_overrides`` appends task-specific overrides (e.g. fewer steps in a test).
@@ -164,4 +166,4 @@ def plan_runs(
                     *(extra_overrides or {}).get(task, ()),
                 ]
                 specs.append(RunSpec(task, cell["name"], int(seed), run_dir, task_cfg["entry"], merge_overrides(overrides)))
-    return specs
+    return sorted(specs, key=lambda spec: spec.seed)  # stable: task and cell order kept within a seed
