@@ -288,3 +288,11 @@ def test_differences_without_spread_are_not_tested():
     rounded = paired_difference({0: 0.0002, 1: 0.0003, 2: 0.0002}, {0: 0.0, 1: 0.0001, 2: 0.0})
     assert rounded.p_value is None
     assert paired_verdicts([diff], [True]) == ["not tested (no spread)"]
+
+
+def test_every_figure_names_the_machine_its_runs_ran_on(study_dirs: Path) -> None:
+    from visattn.report.plots import _machine_caption
+    from visattn.report.runs import find_run_dirs
+
+    cells = group_cells([load_run(path) for path in find_run_dirs([study_dirs])])
+    assert _machine_caption(cells) == "runs on: Test CPU (2 usable cores), no GPU; torch 2.x"

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .machine import machine_line  # noqa: E402
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, Metric, headline_metric  # noqa: E402
 from .runs import Cell  # noqa: E402
 from .stats import summarize  # noqa: E402
@@ -35,7 +36,16 @@ def _style(index: int) -> dict:
     return {"color": COLORS[index % len(COLORS)], "marker": MARKERS[index % len(MARKERS)]}
 
 
-def _save(fig, path: Path) -> Path:
+def _machine_caption(cells: Sequence[Cell]) -> str:
+    """Which machine(s) the plotted runs ran on: every figure names its CPU (throughput and even
+    convergence per wall-second depend on it; bf16 is fast on some CPUs and emulated on others)."""
+    machines = sorted({machine_line(run.cell_info["machine"]) for cell in cells for run in cell.runs
+                       if run.cell_info.get("machine")})
+    return "runs on: " + "; ".join(machines) if machines else "runs on: machine not recorded"
+
+
+def _save(fig, path: Path, cells: Sequence[Cell]) -> Path:
+    fig.text(0.01, 0.0, _machine_caption(cells), fontsize=7, ha="left", va="top", color="0.35")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -82,7 +92,7 @@ def quality_vs_heads(cells: Sequence[Cell], reference: Cell | None, path: Path) 
     ax.set_title(f"{TASK_TITLES.get(task, task)}: {metric.label} vs active heads\n{ERRORBAR_NOTE}", fontsize=10)
     ax.grid(alpha=0.3)
     _legend_outside(ax)
-    return _save(fig, path)
+    return _save(fig, path, cells)
 
 
 def _pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> list[tuple[float, float]]:
@@ -124,7 +134,7 @@ def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
     )
     ax.grid(alpha=0.3)
     _legend_outside(ax)
-    return _save(fig, path)
+    return _save(fig, path, cells)
 
 
 def mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -167,7 +177,7 @@ def training_curves(cells: Sequence[Cell], path: Path) -> Path | None:
         return None
     fig.suptitle(f"{TASK_TITLES.get(task, task)}: training curves (mean over seeds)", fontsize=11)
     _legend_outside(axes[0][-1])
-    return _save(fig, path)
+    return _save(fig, path, cells)
 
 
 def _mean_head_load(cell: Cell) -> tuple[dict, list[np.ndarray], int] | None:
@@ -218,4 +228,4 @@ def head_load_heatmaps(cell: Cell, path: Path) -> Path | None:
         f"head load per class and layer, mean of {seeds} seed(s)",
         fontsize=10,
     )
-    return _save(fig, path)
+    return _save(fig, path, [cell])
