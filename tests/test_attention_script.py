@@ -7,7 +7,6 @@ import torch
 
 import visattn
 
-CPB_REASON = "ContinuousPositionBias (helper B's part of cosine.py) is not scriptable yet"
 VARIANT_KWARGS = {
     "uneven": {"head_dims": [4, 4, 8, 8, 8, 8, 12, 12]},
     "cosine": {"position_bias": False},

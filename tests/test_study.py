@@ -101,7 +101,7 @@ def _build_on_meta(task: str, cfg):
             from visattn.engine.cls_setup import validate_cls_config
 
             return validate_cls_config(cfg)
-        from visattn.engine.dit_trainer import build_model
+        from visattn.engine.dit_setup import build_model
 
         return build_model(OmegaConf.to_container(cfg, resolve=True))
 

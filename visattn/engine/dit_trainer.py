@@ -19,14 +19,14 @@ from typing import Any
 
 from visattn.engine.dit_eval import eval_mode, sample_mode
 from visattn.engine.dit_latents import cache_latents_mode
-from visattn.engine.dit_setup import build_model, validate_dit_config
+from visattn.engine.dit_setup import validate_dit_config
 from visattn.engine.dit_train import train
 from visattn.engine.guard import NonFiniteError
 from visattn.engine.launch import launched
 from visattn.engine.preempt import Preempted
 from visattn.engine.results import peak_memory_mb, write_results
 
-__all__ = ["MODES", "build_model", "run"]  # build_model: kept here for callers of the pre-split module
+__all__ = ["MODES", "run"]
 
 MODES = {"train": train, "sample": sample_mode, "eval": eval_mode, "cache_latents": cache_latents_mode}
 

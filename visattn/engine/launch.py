@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from visattn.utils.allocator import tune_glibc_malloc
+
 from .checkpoints import remove_stale
 from .distributed import DistInfo, broadcast_object, cleanup_distributed, init_distributed
 from .preempt import StopSignal
@@ -122,8 +124,6 @@ def prepare_entry_point(argv: list[str]) -> None:
     SLURM's rank variables, register our resolvers, refuse a run dir held by a live run (before Hydra
     writes ``.hydra/`` into it), and point torchrun's other ranks at rank 0's run dir. Edits ``argv``
     (``sys.argv``) in place."""
-    from visattn.utils.allocator import tune_glibc_malloc
-
     tune_glibc_malloc()
     export_slurm_env()
     register_resolvers()
