@@ -64,6 +64,7 @@ def test_profiles_plan_every_cell_and_enough_seeds(tmp_path: Path) -> None:
     for task in tasks:
         seeds = {c: {s.seed for s in full if (s.task, s.cell) == (task, c)} for c in cells}
         assert all(len(seeds[c]) >= 5 for c in core) and all(len(seeds[c]) == 3 for c in set(cells) - core)
+    assert {s.cell for s in full if s.core} == core  # the report checks the core cells' ranking
     dit = [s for s in full if s.task == "dit"]
     assert all(f"sample.seed={s.seed}" in s.overrides for s in dit)  # each run samples with its own seed
     assert all("eval.num_samples=5000" in s.overrides for s in dit)
@@ -133,7 +134,8 @@ def test_quick_study_first_run_writes_results_and_report(tmp_path: Path) -> None
     assert [o.status for o in outcomes] == ["done"], (specs[0].run_dir / "train.log").read_text()[-2000:]
     results = json.loads((specs[0].run_dir / "results.json").read_text())
     assert results["active_heads"] == [36, 48] and results["train_steps"] == 3
-    assert json.loads((specs[0].run_dir / "cell.json").read_text())["cell"] == "moh-75"
+    cell_info = json.loads((specs[0].run_dir / "cell.json").read_text())
+    assert cell_info["cell"] == "moh-75" and cell_info["core"] is True
     text = report.read_text()
     assert "SMOKE TEST" in text and "| moh-75 |" in text
     assert (tmp_path / "study" / "cls_head_load_moh-75_36-48.png").is_file()

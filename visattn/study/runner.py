@@ -50,7 +50,7 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
     if run_completed(spec.run_dir):
         return RunOutcome(spec, "skipped (results.json exists)", 0.0)
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    cell_info = {"cell": spec.cell, "task": spec.task, "seed": spec.seed, "profile": profile,
+    cell_info = {"cell": spec.cell, "core": spec.core, "task": spec.task, "seed": spec.seed, "profile": profile,
                  "command": spec.command, "machine": describe_machine()}
     write_json(spec.run_dir / "cell.json", cell_info)
     load_before = os.getloadavg()[0]
