@@ -232,3 +232,28 @@ def test_runner_refuses_run_dirs_of_another_recipe(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="another recipe") as err:
         check_run_dirs([spec])
     assert str(run_dir) in str(err.value) and "--out" in str(err.value)
+
+
+def test_report_only_covers_the_finished_runs_and_says_the_study_is_in_progress(tmp_path: Path) -> None:
+    """A study run in sittings: --report-only writes REPORT.md over what finished, and its title and
+    note say how much of the plan that is (a report over part of a plan must not pass for the whole)."""
+    from visattn.study.__main__ import main
+
+    out = tmp_path / "study"
+    specs = plan_runs("full", out, tasks=["cls"], cells=["mha", "moh-75"])
+    assert main(["--profile", "full", "--out", str(out), "--report-only"]) == 1  # nothing finished yet
+    for spec in specs[:3]:  # seed 0 of both cells, seed 1 of mha
+        spec.run_dir.mkdir(parents=True)
+        (spec.run_dir / "results.json").write_text(json.dumps({
+            "task": "cls", "attn": spec.cell.split("-")[0], "seed": spec.seed, "active_heads": [8, 8],
+            "top1": 0.8 + 0.01 * spec.seed, "completed": True}))
+        (spec.run_dir / "cell.json").write_text(json.dumps({"cell": spec.cell, "command": spec.command}))
+    unfinished = specs[3].run_dir
+    unfinished.mkdir(parents=True)
+    (unfinished / "results.json").write_text(json.dumps({"task": "cls", "completed": False, "preempted": True}))
+    assert main(["--profile", "full", "--out", str(out), "--report-only"]) == 0
+    text = (out / "REPORT.md").read_text()
+    assert "in progress: 3 of 108 runs" in text.splitlines()[0]
+    assert "IN PROGRESS: 3 of the 108 planned runs have finished" in text and "cls 3/54, dit 0/54" in text
+    assert "| mha |" in text and "| moh-75 |" in text
+    assert not any(p.name.startswith("dit_") for p in out.iterdir())  # nothing run, nothing else reported
