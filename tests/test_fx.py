@@ -51,8 +51,8 @@ def test_every_variant_traces_in_a_vit_as_timm_tests_do(name, train):
     traced_params = dict(traced.named_parameters())
     assert traced_params.keys() <= params.keys()
     traced_grads = torch.autograd.grad(out.square().mean(), list(traced_params.values()))
-    eager_by_name = dict(zip(params, eager_grads))
-    for key, grad in zip(traced_params, traced_grads):
+    eager_by_name = dict(zip(params, eager_grads, strict=True))
+    for key, grad in zip(traced_params, traced_grads, strict=True):
         torch.testing.assert_close(grad, eager_by_name[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
