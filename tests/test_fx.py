@@ -73,3 +73,17 @@ def test_a_traced_attention_takes_masks_as_eager(name):
     float_mask = torch.randn(2, 1, 17, 17)
     for kwargs in ({}, {"attn_mask": keep}, {"attn_mask": float_mask}, {"is_causal": True}):
         torch.testing.assert_close(traced(x, **kwargs), attn(x, **kwargs), rtol=1e-4, atol=1e-5, msg=str(kwargs))
+
+
+@pytest.mark.filterwarnings("ignore:The nodes obtained by tracing the model in train mode")
+@pytest.mark.parametrize("name", ["relu", "adaptive", "moh"])
+def test_tracing_leaves_no_symbolic_statistics_on_the_model(name):
+    """Statistics recorded per forward (relu's zero fraction, adaptive's head widths, routed heads'
+    load) are not recorded while fx traces, so attention_stats never returns an fx Proxy."""
+    torch.manual_seed(0)
+    kwargs = {"shared_heads": 2, "routed_topk": 2} if name == "moh" else {}
+    model = timm.create_model(TINY, attn={"name": name, **kwargs}, depth=2).eval()
+    model(torch.randn(2, 1, 8, 8))  # eager: real statistics
+    _timm_fx_model(model)
+    stats = [v for layer in visattn.attention_stats(model) for v in layer.values()]
+    assert stats and all(isinstance(v, torch.Tensor) and not isinstance(v, torch.fx.Proxy) for v in stats)

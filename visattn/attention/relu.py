@@ -19,6 +19,7 @@ from timm.layers import register_notrace_function
 from .base import HeadAttention
 from .registry import register_attention
 from .scores import add_mask, additive_mask, dot_scores, expand_kv_groups
+from .tracing import keeps_stats
 
 NORMS = ("l1", "seqlen", "softplus")
 
@@ -62,8 +63,9 @@ class ReLUAttention(HeadAttention):
         else:
             weights = F.relu(scores) if self.norm_kind == "l1" else F.softplus(scores)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + self.eps)
-        with torch.no_grad():
-            self.stats["zero_fraction"] = zero_fraction(weights, mask)
+        if keeps_stats():
+            with torch.no_grad():
+                self.stats["zero_fraction"] = zero_fraction(weights, mask)
         return weights
 
     def attend(
