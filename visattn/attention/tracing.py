@@ -3,12 +3,16 @@ and a per-forward statistic recorded then (``stats``, a router's ``head_load``) 
 on the module until the next eager forward."""
 
 import torch
-from torch.fx._symbolic_trace import is_fx_tracing
+
+try:  # torch >= 2.5: true under fx.symbolic_trace only (is_fx_tracing is also true under torch.export)
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing as _is_symbolic_tracing
+except ImportError:
+    from torch.fx._symbolic_trace import is_fx_tracing as _is_symbolic_tracing
 
 
 @torch.jit.unused
 def _fx_tracing() -> bool:
-    return is_fx_tracing()
+    return _is_symbolic_tracing()
 
 
 def keeps_stats() -> bool:
