@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .routing import HeadRouter
+from .tracing import keeps_stats
 
 
 def resolve_head_dim(dim: int, num_heads: int, head_dim: int | None, attn_head_dim: int | None) -> int:
@@ -221,7 +222,7 @@ class HeadAttention(nn.Module):
             return None, None
         gates, selected = router(x, q)
         load = router.head_load
-        if load is not None:
+        if load is not None and keeps_stats():
             self.stats["head_load"] = load
         return gates, selected
 

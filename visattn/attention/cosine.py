@@ -24,9 +24,13 @@ from timm.layers import register_notrace_function
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask
+from .scores import add_mask, additive_mask
 
 GridSize = tuple[int, int]
+
+# Leaves for torch.fx, patched in this module's globals (see visattn.attention.scores).
+torch.fx.wrap("additive_mask")
+torch.fx.wrap("add_mask")
 
 
 def _grid_size(size, what: str = "grid_size") -> GridSize:
@@ -246,8 +250,7 @@ class CosineAttention(HeadAttention):
         k = F.normalize(k, dim=-1)
         bias = self.relative_position_bias(n, m)
         if bias is not None:
-            mask = additive_mask(attn_mask, is_causal, n, m, q.dtype, q.device)
-            attn_mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
+            attn_mask = add_mask(bias.to(q.dtype), additive_mask(attn_mask, is_causal, n, m, q.dtype, q.device))
             is_causal = False
         return self.sdpa(q, k, v, attn_mask, is_causal, scale=1.0)
 

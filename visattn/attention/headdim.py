@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .base import HeadAttention
 from .registry import register_attention
+from .tracing import keeps_stats
 
 
 @register_attention("uneven")
@@ -131,7 +132,8 @@ class AdaptiveHeadAttention(HeadAttention):
     ) -> torch.Tensor:
         mask = self.channel_mask()
         width = mask.sum(dim=-1)
-        self.stats["head_width"] = width.detach()
+        if keeps_stats():
+            self.stats["head_width"] = width.detach()
         mask = mask[:, None, :].to(q.dtype)  # [H, 1, d]
         # SDPA scales by 1/sqrt(head_dim); head h should see 1/sqrt(width_h).
         q = q * mask * (self.head_dim / width.clamp_min(1.0)).sqrt()[:, None, None].to(q.dtype)

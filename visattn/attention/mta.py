@@ -26,15 +26,39 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask, dot_scores, expand_kv_groups
+from .scores import add_mask, additive_mask, dot_scores, expand_kv_groups, zero_masked
 
 STAGES = ("pre", "post", None)
 IMPLS = ("reference", "factorized")
+
+# Leaves for torch.fx, patched in this module's globals (see visattn.attention.scores).
+torch.fx.wrap("add_mask")
+torch.fx.wrap("zero_masked")
+
+
+@torch.fx.wrap
+@register_notrace_function  # a leaf for torch.fx: checks and branches on attn_mask and is_causal
+def layer_mask(
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    causal: bool,
+    n: int,
+    m: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """``additive_mask`` [.., N, M] of a layer built with ``causal`` (past-only kernels, the future
+    always masked) or not; ``is_causal=True`` needs ``causal``."""
+    if is_causal and not causal:
+        raise ValueError("is_causal=True needs an mta layer built with causal=True (its kernels are past-only)")
+    return additive_mask(attn_mask, causal, n, m, dtype, device)
 
 
 def _shifts(x: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -203,21 +227,12 @@ class MultiTokenAttention(HeadAttention):
         self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """Reference path. q: [B, H, N, d], k: [B, H_kv, M, d] -> weights [B, H, N, M]."""
-        if is_causal and not self.causal:
-            raise ValueError("is_causal=True needs an mta layer built with causal=True (its kernels are past-only)")
         scores = dot_scores(q, k, self.scale, self.num_heads // self.num_kv_heads)
-        mask = additive_mask(attn_mask, self.causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
-        keep = None if mask is None else torch.isfinite(mask)
-        if keep is not None:
-            scores = scores.masked_fill(~keep, 0.0)
-        scores = self._mix(scores, "pre")
-        if mask is not None:
-            scores = scores + mask
+        mask = layer_mask(attn_mask, is_causal, self.causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
+        scores = add_mask(self._mix(zero_masked(scores, mask), "pre"), mask)
         weights = scores.softmax(dim=-1)
         if self.kq_stage == "post" or self.head_stage == "post":
-            weights = self._mix(weights, "post")
-            if keep is not None:
-                weights = weights.masked_fill(~keep, 0.0)
+            weights = zero_masked(self._mix(weights, "post"), mask)
         return weights
 
     def attend(
@@ -230,6 +245,8 @@ class MultiTokenAttention(HeadAttention):
     ) -> torch.Tensor:
         """q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
         dropout = self.training and self.attn_drop.p > 0
+        # Under torch.fx attn_mask is symbolic (not None), so a traced graph holds the reference path,
+        # which takes any mask at run time (and equals the factorized one).
         if self.impl == "factorized" and attn_mask is None and not (self.causal or is_causal or dropout):
             out = self.factorized_heads(q, k, v)
         else:

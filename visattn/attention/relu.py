@@ -12,13 +12,31 @@ seed, would floor every weight at log 2 and make the ReLU a no-op.
 from __future__ import annotations
 
 import torch
+import torch.fx
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from .base import HeadAttention
 from .registry import register_attention
-from .scores import additive_mask, dot_scores, expand_kv_groups
+from .scores import add_mask, additive_mask, dot_scores, expand_kv_groups
+from .tracing import keeps_stats
 
 NORMS = ("l1", "seqlen", "softplus")
+
+# Leaves for torch.fx, patched in this module's globals (see visattn.attention.scores).
+torch.fx.wrap("additive_mask")
+torch.fx.wrap("add_mask")
+
+
+@torch.fx.wrap
+@register_notrace_function  # a leaf for torch.fx: branches on whether there is a mask
+def zero_fraction(weights: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Fraction of exact zeros among the unmasked weights [B, H, N, M] (mask: ``additive_mask``'s)."""
+    zeros = weights == 0
+    if mask is None:
+        return zeros.float().mean()
+    unmasked = torch.isfinite(mask).expand_as(zeros)
+    return (zeros & unmasked).sum() / unmasked.sum().clamp_min(1)
 
 
 @register_attention("relu")
@@ -39,20 +57,15 @@ class ReLUAttention(HeadAttention):
         """q: [B, H, N, d], k: [B, H_kv, M, d] -> weights [B, H, N, M] (non-negative)."""
         scores = dot_scores(q, k, self.scale, self.num_heads // self.num_kv_heads)
         mask = additive_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], scores.dtype, scores.device)
-        if mask is not None:
-            scores = scores + mask
+        scores = add_mask(scores, mask)
         if self.norm_kind == "seqlen":
             weights = F.relu(scores) / k.shape[-2]
         else:
             weights = F.relu(scores) if self.norm_kind == "l1" else F.softplus(scores)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + self.eps)
-        with torch.no_grad():
-            zeros = weights == 0
-            if mask is None:
-                self.stats["zero_fraction"] = zeros.float().mean()
-            else:
-                unmasked = torch.isfinite(mask).expand_as(zeros)
-                self.stats["zero_fraction"] = (zeros & unmasked).sum() / unmasked.sum().clamp_min(1)
+        if keeps_stats():
+            with torch.no_grad():
+                self.stats["zero_fraction"] = zero_fraction(weights, mask)
         return weights
 
     def attend(

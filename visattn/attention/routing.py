@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .tracing import keeps_stats
+
 ROUTERS = ("linear", "l2norm")
 GATES = ("soft", "binary_ste")
 
@@ -181,5 +183,5 @@ class HeadRouter(nn.Module):
                 gates = torch.cat([shared, routed], dim=-1)
             always = x.new_ones((B, N, self.shared_heads), dtype=torch.bool)
             selected = torch.cat([always, selected], dim=-1)
-        self.head_load = selected.float().mean(dim=1)
+        self.head_load = selected.float().mean(dim=1) if keeps_stats() else None
         return gates, selected
