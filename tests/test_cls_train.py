@@ -234,6 +234,30 @@ def test_stop_signal_during_evaluation_exits_after_it_and_resume_goes_on(full_ru
     assert_matches_uninterrupted(tmp_path, resumed, full_run)
 
 
+def test_stop_signal_in_an_epochs_last_step_saves_the_epoch_and_resume_evaluates_it(full_run, tmp_path, monkeypatch):
+    steps_per_epoch = full_run[1]["train_steps"] // 2
+    real, calls = trainer.clip_and_norm, []
+
+    def signal_at_last_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == steps_per_epoch:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "clip_and_norm", signal_at_last_step)
+        evaluations = count_calls(patch, "evaluate")
+        with pytest.raises(Preempted, match=f"SIGTERM after step {steps_per_epoch};"):
+            run_cls(cfg_of(), tmp_path)
+    found = latest_checkpoint(tmp_path)
+    assert (found.state()["epoch"], found.state()["batches"], len(evaluations)) == (1, 0, 0)  # not mid-epoch
+    with monkeypatch.context() as patch:
+        steps, evaluations = count_calls(patch, "clip_and_norm"), count_calls(patch, "evaluate")
+        resumed = run_cls(cfg_of(), tmp_path)
+    assert (len(steps), len(evaluations)) == (steps_per_epoch, 2)
+    assert_matches_uninterrupted(tmp_path, resumed, full_run)
+
+
 @pytest.mark.parametrize("stopped", ["after_recording", "before_recording", "checkpoint_without_pending_eval"])
 def test_rerun_of_a_trained_run_without_results_writes_the_final_metrics(full_run, tmp_path, monkeypatch, stopped):
     """All epochs saved, results.json never written (killed after the evaluation was recorded, during
