@@ -99,6 +99,34 @@ def test_train_end_eval_scores_class_agreement_and_active_head_flops(tmp_path):
         np.testing.assert_array_equal(f["arr_1"], all_labels(sample_settings(cfg), 8, 10))
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_train_progress_switches_the_bars_of_training_and_sampling(tmp_path, capsys, progress):
+    """train.progress (both tasks' key): false keeps tqdm bars out of the logs of unattended runs."""
+    overrides = [o for o in TINY_MODEL if o != "eval.enabled=false"]
+    run(config("train.steps=2", *overrides, "eval.num_samples=8", "eval.head_load_images=0",
+               f"train.progress={str(progress).lower()}"), tmp_path)
+    err = capsys.readouterr().err
+    assert ("train: " in err and "sampling: " in err) == progress
+    assert ("train: " in err or "sampling: " in err) == progress
+    assert not (tmp_path / "head_load.json").exists()  # eval.head_load_images=0: no head load, no empty batch
+
+
+def test_a_rank_without_head_load_images_runs_no_empty_batch(tmp_path):
+    """Under DDP with fewer head-load images than ranks, a rank gets none: it must not run the
+    model on an empty batch (MoH's eval path cannot reshape 0 tokens) but still join the reduction."""
+    from visattn.engine.distributed import DistInfo
+    from visattn.engine.dit_data import build_train_data
+    from visattn.engine.dit_setup import build_diffusion, build_model
+    from visattn.engine.dit_train import measure_head_load
+
+    cfg = config(*TINY_MODEL, "eval.head_load_images=1")
+    model = build_model(cfg)
+    diffusion = build_diffusion(cfg, model.learn_sigma)
+    second_rank = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    load = measure_head_load(model, build_train_data(cfg), diffusion, cfg, second_rank)
+    assert load["layers"] == 2 and all(value == 0 for layer in load["load"] for row in layer for value in row)
+
+
 def test_dense_soft_weights_write_no_head_load(tmp_path):
     # Every token uses every head, so there is no selection to show (the same rule as classification).
     run(config("train.steps=1", *TINY_MODEL, "attn.shared_heads=4", "attn.routed_topk=0"), tmp_path)

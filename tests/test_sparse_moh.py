@@ -61,6 +61,15 @@ def test_batch_one_and_single_token(batch, tokens):
     _assert_matches_dense(m, torch.randn(batch, tokens, 32))
 
 
+def test_an_empty_batch_gives_an_empty_output_in_eval():
+    """B = 0 (e.g. a rank with no images left): the eval path returns [0, N, C] instead of failing to
+    group zero tokens."""
+    m = _moh(shared_heads=1, routed_topk=1)
+    assert m.uses_sparse()
+    with torch.no_grad():
+        assert m(torch.randn(0, 5, 32)).shape == (0, 5, 32)
+
+
 def test_head_that_no_token_selected():
     m = _moh(dim=36, heads=6, shared_heads=1, routed_topk=1, seed=3)
     with torch.no_grad():  # the router can never pick the last two routed heads

@@ -64,6 +64,7 @@ def test_profiles_plan_every_cell_and_enough_seeds(tmp_path: Path) -> None:
     for task in tasks:
         seeds = {c: {s.seed for s in full if (s.task, s.cell) == (task, c)} for c in cells}
         assert all(len(seeds[c]) >= 5 for c in core) and all(len(seeds[c]) == 3 for c in set(cells) - core)
+    assert {s.cell for s in full if s.core} == core  # the report checks the core cells' ranking
     dit = [s for s in full if s.task == "dit"]
     assert all(f"sample.seed={s.seed}" in s.overrides for s in dit)  # each run samples with its own seed
     assert all("eval.num_samples=5000" in s.overrides for s in dit)
@@ -133,7 +134,8 @@ def test_quick_study_first_run_writes_results_and_report(tmp_path: Path) -> None
     assert [o.status for o in outcomes] == ["done"], (specs[0].run_dir / "train.log").read_text()[-2000:]
     results = json.loads((specs[0].run_dir / "results.json").read_text())
     assert results["active_heads"] == [36, 48] and results["train_steps"] == 3
-    assert json.loads((specs[0].run_dir / "cell.json").read_text())["cell"] == "moh-75"
+    cell_info = json.loads((specs[0].run_dir / "cell.json").read_text())
+    assert cell_info["cell"] == "moh-75" and cell_info["core"] is True
     text = report.read_text()
     assert "SMOKE TEST" in text and "| moh-75 |" in text
     assert (tmp_path / "study" / "cls_head_load_moh-75_36-48.png").is_file()
@@ -230,3 +232,28 @@ def test_runner_refuses_run_dirs_of_another_recipe(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="another recipe") as err:
         check_run_dirs([spec])
     assert str(run_dir) in str(err.value) and "--out" in str(err.value)
+
+
+def test_report_only_covers_the_finished_runs_and_says_the_study_is_in_progress(tmp_path: Path) -> None:
+    """A study run in sittings: --report-only writes REPORT.md over what finished, and its title and
+    note say how much of the plan that is (a report over part of a plan must not pass for the whole)."""
+    from visattn.study.__main__ import main
+
+    out = tmp_path / "study"
+    specs = plan_runs("full", out, tasks=["cls"], cells=["mha", "moh-75"])
+    assert main(["--profile", "full", "--out", str(out), "--report-only"]) == 1  # nothing finished yet
+    for spec in specs[:3]:  # seed 0 of both cells, seed 1 of mha
+        spec.run_dir.mkdir(parents=True)
+        (spec.run_dir / "results.json").write_text(json.dumps({
+            "task": "cls", "attn": spec.cell.split("-")[0], "seed": spec.seed, "active_heads": [8, 8],
+            "top1": 0.8 + 0.01 * spec.seed, "completed": True}))
+        (spec.run_dir / "cell.json").write_text(json.dumps({"cell": spec.cell, "command": spec.command}))
+    unfinished = specs[3].run_dir
+    unfinished.mkdir(parents=True)
+    (unfinished / "results.json").write_text(json.dumps({"task": "cls", "completed": False, "preempted": True}))
+    assert main(["--profile", "full", "--out", str(out), "--report-only"]) == 0
+    text = (out / "REPORT.md").read_text()
+    assert "in progress: 3 of 108 runs" in text.splitlines()[0]
+    assert "IN PROGRESS: 3 of the 108 planned runs have finished" in text and "cls 3/54, dit 0/54" in text
+    assert "| mha |" in text and "| moh-75 |" in text
+    assert not any(p.name.startswith("dit_") for p in out.iterdir())  # nothing run, nothing else reported

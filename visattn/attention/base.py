@@ -185,10 +185,10 @@ class HeadAttention(nn.Module):
     def merge_equal_heads(self, x: torch.Tensor, heads: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """``merge_heads`` for heads of equal width (callable by variants that override it).
         heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
-        B, _, N, _ = heads.shape
+        B, H, N, d = heads.shape
         if gates is not None:
             heads = heads * gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
-        out = heads.transpose(1, 2).reshape(B, N, -1)
+        out = heads.transpose(1, 2).reshape(B, N, H * d)  # explicit width: -1 is ambiguous for B = 0
         out = self.norm(out)
         gate = self.gate
         if gate is not None:

@@ -82,10 +82,10 @@ class UnevenHeadAttention(HeadAttention):
         """heads: [B, H, N, max d_h] weighted by gates [B, N, H] -> [B, N, dim_out]."""
         if not self.uneven:
             return self.merge_equal_heads(x, heads, gates)
-        B, _, N, _ = heads.shape
+        B, H, N, d = heads.shape
         if gates is not None:
             heads = heads * gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
-        flat = heads.transpose(1, 2).reshape(B, N, -1).index_select(-1, self.channel_index)
+        flat = heads.transpose(1, 2).reshape(B, N, H * d).index_select(-1, self.channel_index)
         # Hand the unpadded heads to the shared tail (norm, gate, proj) as one head of width sum d_h.
         return self.merge_equal_heads(x, flat.unsqueeze(1), None)
 

@@ -77,8 +77,9 @@ class MoHAttention(HeadAttention):
     @torch.compiler.disable
     def sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Only the selected (token, head) pairs computed (``visattn.attention.sparse``). x: [B, N, C].
-        torch.fx records the dense path instead: a traced graph cannot hold data-dependent token groups."""
-        if isinstance(x, torch.fx.Proxy):
+        torch.fx records the dense path instead: a traced graph cannot hold data-dependent token groups;
+        an empty batch takes it too (there are no tokens to group)."""
+        if isinstance(x, torch.fx.Proxy) or x.numel() == 0:
             return self.dense_forward(x)
         return sparse_moh_forward(self, x)
 

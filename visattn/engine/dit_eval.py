@@ -68,7 +68,8 @@ def evaluate_model(
     timer = Throughput(dist.device)
     timer.start()
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
-    images = generate_all(model, diffusion, decode, settings, dist, num_samples, run_dir)
+    images = generate_all(model, diffusion, decode, settings, dist, num_samples, run_dir,
+                          progress=bool(cfg["train"]["progress"]))
     timer.stop(num_samples)
     scores: dict[str, Any] = {}
     if dist.is_main:
@@ -112,7 +113,8 @@ def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[s
     num_samples = int(cfg["sample"]["num_samples"])
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
     images = generate_all(
-        model, diffusion, build_codec(cfg, dist.device), sample_settings(cfg), dist, num_samples, run_dir
+        model, diffusion, build_codec(cfg, dist.device), sample_settings(cfg), dist, num_samples, run_dir,
+        progress=bool(cfg["train"]["progress"]),
     )
     if not dist.is_main:
         return {}

@@ -151,7 +151,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     stream = iter(batches)
     running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
     t_start = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not dist.is_main, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (tcfg["progress"] and dist.is_main),
+               dynamic_ncols=True)
     with stop.deferred():  # a stop signal is acted on after the step it arrives in
         while step < total_steps:
             timer.start()
@@ -197,7 +198,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds,
                     "skipped_steps": guard.skipped, **amp.record()})
     active, total = info["active_heads"]
-    if active < total:  # as in classification: only models that select heads per token have a load
+    if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load
         load = measure_head_load(ema.module, data, diffusion, cfg, dist)
         if dist.is_main:
             write_json(run_dir / HEAD_LOAD_FILE, load)
@@ -216,7 +217,7 @@ def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg:
     gen = torch.Generator().manual_seed(int(cfg["seed"]))
     model.eval()
     with torch.random.fork_rng(devices=[]):  # data.batch draws flips / posterior noise: keep training's RNG
-        for chunk in indices.split(int(cfg["sample"]["batch_size"])):
+        for chunk in indices.split(int(cfg["sample"]["batch_size"])) if len(indices) else ():  # a rank may get none
             x, y = data.batch(chunk)
             t = torch.randint(0, diffusion.num_timesteps, (len(chunk),), generator=gen)
             x_t = diffusion.q_sample(x, t, torch.randn(x.shape, generator=gen))

@@ -117,7 +117,9 @@ def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
     if not any(path for _, path in figures):
         lines += ["— (nothing to plot)", ""]
     if task == "cls":  # trained long enough to rank? (the eval top-1 panel of the training curves)
-        lines += [ranking_sentence(ranking_check(cells, "epoch", "top1"), "epoch", "eval top-1"), ""]
+        check = ranking_check(cells, "epoch", "top1")
+        for paragraph in ranking_sentence(check, "epoch", "eval top-1", scale=100.0, unit=" pp").splitlines():
+            lines += [paragraph, ""]
     routed = [cell for cell in cells if cell.routed]
     if routed:
         lines += ["### Head load per class (routed variants; cf. MoH Figure 3)", ""]

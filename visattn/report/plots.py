@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .convergence import RankingCheck, ranking_check, values_at  # noqa: E402
 from .machine import machine_line  # noqa: E402
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, Metric, headline_metric  # noqa: E402
 from .runs import Cell  # noqa: E402
@@ -44,8 +45,8 @@ def _machine_caption(cells: Sequence[Cell]) -> str:
     return "runs on: " + "; ".join(machines) if machines else "runs on: machine not recorded"
 
 
-def _save(fig, path: Path, cells: Sequence[Cell]) -> Path:
-    fig.text(0.01, 0.0, _machine_caption(cells), fontsize=7, ha="left", va="top", color="0.35")
+def _save(fig, path: Path, cells: Sequence[Cell], caption_y: float = 0.0) -> Path:
+    fig.text(0.01, caption_y, _machine_caption(cells), fontsize=7, ha="left", va="top", color="0.35")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -152,14 +153,18 @@ def mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarr
 
 
 def training_curves(cells: Sequence[Cell], path: Path) -> Path | None:
-    """Training loss per step (and, for classification, eval top-1 per epoch), mean over seeds."""
+    """Training loss per step (and, for classification, eval top-1 per epoch and a close-up of the
+    cells' ranking at the last two evaluations), mean over seeds."""
     task = cells[0].task
     panels = [("step", "loss", "training step", "training loss", 1.0)]
+    check = None
     if task == "cls":
         panels.append(("epoch", "top1", "epoch", "eval top-1 (%)", 100.0))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.0 * len(panels) + 2.5, 4.2), squeeze=False)
+        check = ranking_check(cells, "epoch", "top1")
+    columns = len(panels) + (check is not None)
+    fig, axes = plt.subplots(1, columns, figsize=(6.0 * columns + 2.5, 4.2), squeeze=False)
     drawn = False
-    for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes[0], panels, strict=True):
+    for ax, (x_key, y_key, x_label, y_label, scale) in zip(axes[0], panels, strict=False):
         for index, cell in enumerate(cells):
             curve = mean_curve(cell, x_key, y_key)
             if curve is None:
@@ -176,8 +181,42 @@ def training_curves(cells: Sequence[Cell], path: Path) -> Path | None:
         plt.close(fig)
         return None
     fig.suptitle(f"{TASK_TITLES.get(task, task)}: training curves (mean over seeds)", fontsize=11)
-    _legend_outside(axes[0][-1])
-    return _save(fig, path, cells)
+    if check is None:
+        _legend_outside(axes[0][-1])
+        return _save(fig, path, cells)
+    _last_evaluations(axes[0][-1], cells, check, "epoch", "top1", "eval top-1 (%)", 100.0)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(labels), 5),
+               fontsize=8, frameon=False)
+    return _save(fig, path, cells, caption_y=-0.06 - 0.045 * -(-len(labels) // 5))
+
+
+def _last_evaluations(ax, cells: Sequence[Cell], check: RankingCheck, x_key: str, y_key: str, y_label: str,
+                      scale: float) -> None:
+    """The checked cells at the last two evaluations: seed mean with its 95% interval, one line per
+    cell (slightly offset so the intervals do not hide each other), labelled with its final rank."""
+    by_label = {cell.label: (index, cell) for index, cell in enumerate(cells)}
+    width = 0.3 * (check.points[1] - check.points[0])
+    for rank, label in enumerate(check.after):
+        index, cell = by_label[label]
+        style = _style(index)
+        offset = width * (rank / max(len(check.after) - 1, 1) - 0.5)
+        xs, ys, errs = [], [], []
+        for point in check.points:
+            summary = summarize(list(values_at(cell, x_key, y_key)[point].values()))
+            xs.append(point + offset)
+            ys.append(summary.mean * scale)
+            errs.append((summary.half_width or 0.0) * scale)
+        ax.errorbar(xs, ys, yerr=errs, color=style["color"], marker=style["marker"], markersize=4, capsize=2,
+                    linewidth=1.0, label=f"{rank + 1}. {label}")
+    which = "core cells" if check.core_only else "cells"
+    verdict = "order holds (swaps within seed noise)" if check.stable else "order NOT settled"
+    ax.set_title(f"{which} at the last two evaluations: {verdict}", fontsize=9)
+    ax.set_xticks(list(check.points))
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(f"{y_label}: seed mean, 95% t-interval")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False, title="rank at last")
 
 
 def _mean_head_load(cell: Cell) -> tuple[dict, list[np.ndarray], int] | None:

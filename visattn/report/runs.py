@@ -58,6 +58,11 @@ class Run:
         return self.cell_info.get("cell") or _variant_from_config(self.results)
 
     @property
+    def core(self) -> bool:
+        """A run of a study's core cell (cell.json; runs outside a study are not)."""
+        return bool(self.cell_info.get("core"))
+
+    @property
     def heads(self) -> tuple[int, int] | None:
         heads = self.results.get("active_heads")
         return (int(heads[0]), int(heads[1])) if heads else None
@@ -107,6 +112,17 @@ class Cell:
     @property
     def heads(self) -> tuple[int, int] | None:
         return self.runs[0].heads
+
+    @property
+    def core(self) -> bool:
+        return bool(self.runs) and all(run.core for run in self.runs)
+
+    @property
+    def label(self) -> str:
+        """The variant, with its head budget when it is not the study's own cell name."""
+        if self.runs and self.runs[0].cell_info.get("cell"):
+            return self.variant
+        return f"{self.variant} ({self.budget} heads)"
 
     @property
     def routed(self) -> bool:

@@ -2,6 +2,8 @@
 
 ``--dry-run`` prints the command lines without running them; ``--task`` / ``--cell`` / ``--seed``
 run a subset (repeatable). Re-running the same command resumes: finished runs are skipped.
+``--report-only`` writes DIR/REPORT.md over the runs finished so far (a study run in sittings),
+saying how many of the planned runs it covers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .plan import PROFILES, load_study_config, plan_runs, subset_dir
-from .runner import run_study
+from .runner import report_progress, run_study
 from .subset import write_fashion_mnist_subset
 
 
@@ -32,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs at a time (default: the profile's jobs, else 1); e.g. 2 runs of 1 thread on 2 cores")
     parser.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: write REPORT.md over the planned runs finished so far")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     out = args.out.resolve()
@@ -45,10 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("\n".join(spec.command for spec in specs))
         return 0
+    command = shlex.join(["python", "-m", "visattn.study", *(sys.argv[1:] if argv is None else argv)])
+    if args.report_only:
+        report = report_progress(specs, out, args.profile, str(cfg.description), command=command)
+        if report is not None:
+            print(report)
+        return 0 if report is not None else 1
     subset = subset_dir(cfg, out)
     if subset is not None:
         write_fashion_mnist_subset(subset, cfg.data_subset.train_per_class, cfg.data_subset.test_per_class)
-    command = shlex.join(["python", "-m", "visattn.study", *(sys.argv[1:] if argv is None else argv)])
     jobs = args.jobs if args.jobs is not None else int(cfg.get("jobs") or 1)
     if jobs < 1:
         parser.error(f"--jobs={jobs} must be >= 1")

@@ -31,6 +31,7 @@ class RunSpec:
     run_dir: Path
     entry: str
     overrides: tuple[str, ...]
+    core: bool = False  # a core cell (conf/study/cells.yaml): the report checks their ranking
 
     def argv(self, python: str) -> list[str]:
         return [python, str(REPO_ROOT / self.entry), *self.overrides]
@@ -165,5 +166,6 @@ def plan_runs(
                     format_override(keys["run_dir"], repo_relative(run_dir)),
                     *(extra_overrides or {}).get(task, ()),
                 ]
-                specs.append(RunSpec(task, cell["name"], int(seed), run_dir, task_cfg["entry"], merge_overrides(overrides)))
+                specs.append(RunSpec(task, cell["name"], int(seed), run_dir, task_cfg["entry"], merge_overrides(overrides),
+                                     core=bool(cell.get("core"))))
     return sorted(specs, key=lambda spec: spec.seed)  # stable: task and cell order kept within a seed

@@ -50,7 +50,7 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
     if run_completed(spec.run_dir):
         return RunOutcome(spec, "skipped (results.json exists)", 0.0)
     spec.run_dir.mkdir(parents=True, exist_ok=True)
-    cell_info = {"cell": spec.cell, "task": spec.task, "seed": spec.seed, "profile": profile,
+    cell_info = {"cell": spec.cell, "core": spec.core, "task": spec.task, "seed": spec.seed, "profile": profile,
                  "command": spec.command, "machine": describe_machine()}
     write_json(spec.run_dir / "cell.json", cell_info)
     load_before = os.getloadavg()[0]
@@ -137,4 +137,31 @@ def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: st
             f"{o.spec.task}/{o.spec.cell}/seed{o.spec.seed} {o.status}" for o in failed) + "."
     report = write_report(finished_dirs, out, title=f"visattn benchmark study ({profile} profile)", note=note)
     return report, outcomes
+
+
+def report_progress(specs: Sequence[RunSpec], out: Path, profile: str, description: str,
+                    command: str = "") -> Path | None:
+    """``out/REPORT.md`` over the planned runs finished so far, for a study run in sittings: the title
+    and the note say how many of the plan's runs it covers and which cells lack seeds. None (and
+    an error logged) when no run has finished."""
+    done = [spec for spec in specs if run_completed(spec.run_dir)]
+    if not done:
+        log.error("none of the %d planned runs under %s has finished; no report written", len(specs), out / "runs")
+        return None
+    note = (f"Profile `{profile}`: {description} IN PROGRESS: {len(done)} of the {len(specs)} planned runs have "
+            "finished; this report covers those only.")
+    per_task: dict[str, list[int]] = {}
+    for spec in specs:
+        per_task.setdefault(spec.task, [0, 0])
+        per_task[spec.task][0] += 1
+        per_task[spec.task][1] += spec in done
+    note += " Finished / planned: " + ", ".join(f"{task} {d}/{p}" for task, (p, d) in per_task.items()) + "."
+    note += (" The plan runs seed by seed, so every cell of a task has the same seeds finished, except the"
+             " cells of the seed in progress.")
+    if command:
+        note += f" Continue with `{command.replace(' --report-only', '')}`."
+    title = f"visattn benchmark study ({profile} profile, in progress: {len(done)} of {len(specs)} runs)"
+    if len(done) == len(specs):
+        title, note = f"visattn benchmark study ({profile} profile)", f"Profile `{profile}`: {description}"
+    return write_report([spec.run_dir for spec in done], out, title=title, note=note)
 
