@@ -79,6 +79,9 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     resumed = run_cls(cfg_of("resume=true"), tmp_path)
     for key in ("top1", "top5", "top1_best", "train_steps"):
         assert resumed[key] == results[key], key
+    # the training rate covers both epochs, not only the one trained after the resume
+    counted = [latest_checkpoint(d).state()["throughput"]["items"] for d in (run_dir, tmp_path)]
+    assert counted[0] == counted[1] > 0
     a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
@@ -281,6 +284,8 @@ def test_rerun_of_a_trained_run_without_results_writes_the_final_metrics(full_ru
     on_disk = json.loads((run_dir / "results.json").read_text())
     for key in ("top1", "top5", "eval_loss", "top1_best", "completed"):
         assert rerun[key] == on_disk[key] == results[key], key
+    if stopped != "checkpoint_without_pending_eval":  # that older checkpoint format has no throughput
+        assert rerun["train_images_per_s"] == results["train_images_per_s"]  # kept in the checkpoint, not 0
     rows, full_rows = metrics_rows(run_dir), metrics_rows(full_dir)
     assert all(same_row(r, f) for r, f in zip(rows, full_rows, strict=True))  # the final row once, as it was
 

@@ -105,6 +105,7 @@ class ClsRun:
         self.amp = choose_amp(cfg.train.amp, self.device)
         self.amp_dtype = self.amp.dtype
         self.t0 = time.perf_counter()
+        self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
         seed_everything(cfg.seed)  # same initial weights on every rank
         self.model = build_cls_model(cfg)
@@ -185,7 +186,6 @@ class ClsRun:
         if found is not None:
             pos, pending_row = self._resume(found, optimizer, ema, guard)
             metrics = self._settle_saved_evaluation(found, pending_row, model, ema, pos, logger)
-        train_images, train_seconds = 0, 0.0
         for epoch in range(pos.epoch, cfg.train.epochs):
             self.train_loader.sampler.set_epoch(epoch)
             model.train()
@@ -223,12 +223,14 @@ class ClsRun:
                     if pos.step % 10 == 0 and not bar.disable:
                         bar.set_postfix(loss=f"{task.item():.3f}", lr=f"{lr:.2e}")
                     if stop and batches < steps_per_epoch:  # at the epoch's end, the end-of-epoch save serves
+                        timer.stop(epoch_images)
+                        self.trained.add(epoch_images, timer.seconds)
                         pos = _Position(epoch, batches, pos.step, pos.best, sums.cpu())
                         self._save_last(model, optimizer, ema, guard, pos)
                         raise self._preempted(pos.step)
             pos.batches, pos.sums = 0, torch.zeros(3, dtype=torch.float64)
             timer.stop(epoch_images)
-            train_images, train_seconds = train_images + epoch_images, train_seconds + timer.seconds
+            self.trained.add(epoch_images, timer.seconds)
             all_reduce_sum(sums)
             epoch_rate = all_reduce_sum(torch.tensor([timer.rate], device=self.device, dtype=torch.float64))
             last = epoch + 1 == cfg.train.epochs
@@ -255,7 +257,7 @@ class ClsRun:
             metrics, _ = self._evaluate(unwrap_model(model))  # the last evaluation was of these weights
         results = {
             **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
-            "train_images_per_s": train_images / max(train_seconds, 1e-9) * dist.world_size,
+            "train_images_per_s": self.trained.rate * dist.world_size,
             "train_steps": pos.step, "skipped_steps": guard.skipped,
             "completed": not (cfg.train.stop_after_epoch and cfg.train.stop_after_epoch < cfg.train.epochs),
         }
@@ -338,6 +340,7 @@ class ClsRun:
                 "step": pos.step, "epoch": pos.epoch, "batches": pos.batches, "epoch_sums": pos.sums,
                 "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
                 "rng": rngs, "guard": guard.state_dict(), "pending_eval_row": pending_row,
+                "throughput": self.trained.state_dict(),
             }
             save_checkpoint(self.run_dir, pos.step, weights, state)
         barrier()
@@ -351,6 +354,7 @@ class ClsRun:
         if ema is not None and EMA_WEIGHTS in found.files:
             ema.load_state_dict(found.weights(EMA_WEIGHTS))
         guard.load_state_dict(state.get("guard"))
+        self.trained.load_state_dict(state.get("throughput"))
         if state["world_size"] == self.dist.world_size:
             set_rng_state(state["rng"][self.dist.rank])
         else:

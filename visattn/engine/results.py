@@ -114,3 +114,17 @@ class Throughput:
     @property
     def rate(self) -> float:
         return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, items: int, seconds: float) -> None:
+        """Count a span timed elsewhere (e.g. an epoch's) into this total."""
+        self.items += items
+        self.seconds += seconds
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps, so a resumed run reports the rate over all of its training."""
+        return {"items": float(self.items), "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Continue from ``state_dict()`` (None: from zero, for checkpoints that lack it)."""
+        state = state or {}
+        self.items, self.seconds = int(state.get("items", 0)), float(state.get("seconds", 0.0))
