@@ -199,7 +199,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     metrics.close()
     train_seconds = time.perf_counter() - t_start
     results.update(info)
-    results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds,
+    # the rate over every step of the run (None after resuming from a checkpoint without the counts)
+    results.update({"train_steps": step, "train_images_per_s": timer.overall_rate, "train_wall_time_s": train_seconds,
                     "skipped_steps": guard.skipped, **amp.record()})
     active, total = info["active_heads"]
     if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load
