@@ -1,7 +1,11 @@
 """Training, resume, evaluation, ImageFolder and continue-tuning through the classification engine,
 with a tiny ViT on digits (a few seconds each)."""
 
+import csv
 import json
+import os
+import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +15,18 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import load_file
 
-from visattn.engine.checkpoints import latest_checkpoint
+import visattn.engine.cls_trainer as trainer
+from visattn.engine.checkpoints import (
+    EVALUATION,
+    MODEL_WEIGHTS,
+    latest_checkpoint,
+    record_evaluation,
+    remove_stale,
+    save_checkpoint,
+)
 from visattn.engine.cls_setup import build_cls_model, load_model_weights
 from visattn.engine.cls_trainer import run_cls
+from visattn.engine.preempt import Preempted
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = [
@@ -53,7 +66,8 @@ def test_run_writes_results_metrics_checkpoints(full_run):
     np.testing.assert_allclose(per_token, 3.0, atol=1e-5)
     assert "best.safetensors" in {p.name for p in run_dir.iterdir()}
     (ckpt,) = (run_dir / "checkpoints").iterdir()  # one complete unit, older ones removed
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.safetensors", "state.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["evaluation.json", "manifest.json", "model.safetensors",
+                                                      "state.pt"]
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert state["epoch"] == 2 and len(state["rng"]) == 1 and ckpt.name == f"step-{state['step']:09d}"
 
@@ -65,6 +79,9 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     resumed = run_cls(cfg_of("resume=true"), tmp_path)
     for key in ("top1", "top5", "top1_best", "train_steps"):
         assert resumed[key] == results[key], key
+    # the training rate covers both epochs, not only the one trained after the resume
+    counted = [latest_checkpoint(d).state()["throughput"]["items"] for d in (run_dir, tmp_path)]
+    assert counted[0] == counted[1] > 0
     a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
@@ -130,3 +147,165 @@ def test_tiny_imagefolder_trains_with_deit_augmentation(tmp_path):
     results = run_cls(cfg, tmp_path / "run")
     assert results["train_steps"] == 2 and 0.0 <= results["top1"] <= 1.0  # 8 images, batch 4, 1 epoch
     assert json.loads((tmp_path / "run" / "head_load.json").read_text())["classes"] == ["cat", "dog"]
+
+
+# ------------------------------------------------------------------ a stop during the epoch's evaluation
+
+class Crash(Exception):
+    pass
+
+
+def metrics_rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def same_row(a, b):
+    """Two metrics.csv rows agree on everything but the timings."""
+    return {k: v for k, v in a.items() if "images_per_s" not in k} == {
+        k: v for k, v in b.items() if "images_per_s" not in k}
+
+
+def count_calls(patch, name):
+    """Patch ``trainer.<name>`` to count its calls (then call the real one); returns the list of calls."""
+    real, calls = getattr(trainer, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    patch.setattr(trainer, name, counted)
+    return calls
+
+
+def assert_matches_uninterrupted(run_dir, resumed, full_run):
+    full_dir, results = full_run
+    for key in ("top1", "top5", "top1_best", "train_steps", "completed"):
+        assert resumed[key] == results[key], key
+    assert json.loads((run_dir / "results.json").read_text())["top1"] == results["top1"]
+    a, b = latest_checkpoint(full_dir).weights(), latest_checkpoint(run_dir).weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows, full_rows = metrics_rows(run_dir), metrics_rows(full_dir)
+    assert [r["epoch"] for r in rows] == ["1", "2"]  # one row per epoch: none lost, none twice
+    assert all(same_row(r, f) for r, f in zip(rows, full_rows, strict=True))
+
+
+def test_crash_during_evaluation_loses_no_training(full_run, tmp_path, monkeypatch):
+    """The epoch is saved before its evaluation: a resume evaluates it, then trains only the next epoch."""
+    steps_per_epoch = full_run[1]["train_steps"] // 2
+
+    def crash(*args, **kwargs):
+        raise Crash
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "evaluate", crash)  # epoch 1's evaluation
+        with pytest.raises(Crash):
+            run_cls(cfg_of(), tmp_path)
+    found = latest_checkpoint(tmp_path)
+    state = found.state()
+    assert (state["epoch"], state["step"], state["pending_eval_row"]["epoch"]) == (1, steps_per_epoch, 1)
+    assert found.evaluation() is None
+    with monkeypatch.context() as patch:
+        steps, evaluations = count_calls(patch, "clip_and_norm"), count_calls(patch, "evaluate")
+        resumed = run_cls(cfg_of(), tmp_path)  # resume: auto
+    assert (len(steps), len(evaluations)) == (steps_per_epoch, 2)  # epoch 2 trained; epochs 1 and 2 evaluated
+    assert_matches_uninterrupted(tmp_path, resumed, full_run)
+
+
+def test_stop_signal_during_evaluation_exits_after_it_and_resume_goes_on(full_run, tmp_path, monkeypatch):
+    """SIGTERM while epoch 1 is evaluated: the evaluation finishes and is recorded, the run exits
+    preempted at that epoch's step (no step of epoch 2), and the resume does not evaluate epoch 1 again."""
+    steps_per_epoch = full_run[1]["train_steps"] // 2
+    real = trainer.evaluate
+
+    def signal_then_evaluate(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "evaluate", signal_then_evaluate)
+        with pytest.raises(Preempted, match=f"SIGTERM after step {steps_per_epoch};"):
+            run_cls(cfg_of(), tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text())["preempted"] is True
+    found = latest_checkpoint(tmp_path)
+    assert found.step == steps_per_epoch and found.state()["epoch"] == 1
+    assert found.evaluation()["metrics"]["top1"] == float(metrics_rows(full_run[0])[0]["top1"])
+    with monkeypatch.context() as patch:
+        steps, evaluations = count_calls(patch, "clip_and_norm"), count_calls(patch, "evaluate")
+        resumed = run_cls(cfg_of(), tmp_path)
+    assert (len(steps), len(evaluations)) == (steps_per_epoch, 1)
+    assert_matches_uninterrupted(tmp_path, resumed, full_run)
+
+
+def test_stop_signal_in_an_epochs_last_step_saves_the_epoch_and_resume_evaluates_it(full_run, tmp_path, monkeypatch):
+    steps_per_epoch = full_run[1]["train_steps"] // 2
+    real, calls = trainer.clip_and_norm, []
+
+    def signal_at_last_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == steps_per_epoch:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "clip_and_norm", signal_at_last_step)
+        evaluations = count_calls(patch, "evaluate")
+        with pytest.raises(Preempted, match=f"SIGTERM after step {steps_per_epoch};"):
+            run_cls(cfg_of(), tmp_path)
+    found = latest_checkpoint(tmp_path)
+    assert (found.state()["epoch"], found.state()["batches"], len(evaluations)) == (1, 0, 0)  # not mid-epoch
+    with monkeypatch.context() as patch:
+        steps, evaluations = count_calls(patch, "clip_and_norm"), count_calls(patch, "evaluate")
+        resumed = run_cls(cfg_of(), tmp_path)
+    assert (len(steps), len(evaluations)) == (steps_per_epoch, 2)
+    assert_matches_uninterrupted(tmp_path, resumed, full_run)
+
+
+@pytest.mark.parametrize("stopped", ["after_recording", "before_recording", "checkpoint_without_pending_eval"])
+def test_rerun_of_a_trained_run_without_results_writes_the_final_metrics(full_run, tmp_path, monkeypatch, stopped):
+    """All epochs saved, results.json never written (killed after the evaluation was recorded, during
+    it, or a checkpoint of a version that saved after evaluating): a re-run writes results with top-1."""
+    full_dir, results = full_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_dir, run_dir)
+    (run_dir / "results.json").unlink()
+    found = latest_checkpoint(run_dir)
+    if stopped != "after_recording":
+        (found.path / EVALUATION).unlink(missing_ok=True)
+    if stopped == "checkpoint_without_pending_eval":
+        state = {k: v for k, v in found.state().items() if k not in ("pending_eval_row", "throughput")}
+        weights = found.weights()
+        shutil.rmtree(found.path)
+        save_checkpoint(run_dir, found.step, {MODEL_WEIGHTS: weights}, state)
+    with monkeypatch.context() as patch:
+        steps, evaluations = count_calls(patch, "clip_and_norm"), count_calls(patch, "evaluate")
+        rerun = run_cls(cfg_of(), run_dir)
+    assert len(steps) == 0 and len(evaluations) == (0 if stopped == "after_recording" else 1)
+    on_disk = json.loads((run_dir / "results.json").read_text())
+    for key in ("top1", "top5", "eval_loss", "top1_best", "completed"):
+        assert rerun[key] == on_disk[key] == results[key], key
+    if stopped != "checkpoint_without_pending_eval":
+        assert rerun["train_images_per_s"] == results["train_images_per_s"]  # kept in the checkpoint, not 0
+    else:  # the older checkpoint format kept no counts: the rate is unknown, not 0
+        assert rerun["train_images_per_s"] is None and on_disk["train_images_per_s"] is None
+    rows, full_rows = metrics_rows(run_dir), metrics_rows(full_dir)
+    assert all(same_row(r, f) for r, f in zip(rows, full_rows, strict=True))  # the final row once, as it was
+
+
+def test_evaluation_record_rides_along_the_checkpoint_and_names_the_fix_when_altered(tmp_path):
+    save_checkpoint(tmp_path, 3, {MODEL_WEIGHTS: {"w": torch.zeros(2)}}, {"step": 3})
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint; save step 4 before recording"):
+        record_evaluation(tmp_path, 4, {"metrics": {}})
+    record_evaluation(tmp_path, 3, {"metrics": {"top1": 0.1 + 0.2}})
+    left = tmp_path / "checkpoints" / "step-000000003" / f".{EVALUATION}.123.abcd.tmp"  # a cut-off record
+    left.write_text("{")
+    remove_stale(tmp_path)
+    found = latest_checkpoint(tmp_path)  # the record is outside the manifest: the checkpoint still verifies
+    assert not left.exists() and found.step == 3 and EVALUATION not in found.files
+    assert found.evaluation() == {"step": 3, "metrics": {"top1": 0.1 + 0.2}}  # floats survive exactly
+    (found.path / EVALUATION).write_text('{"step": 2, "metrics": {}}')
+    with pytest.raises(ValueError, match=r"does not record an evaluation of step 3.*delete the file"):
+        found.evaluation()
+    (found.path / EVALUATION).write_text('{"step": 3')
+    with pytest.raises(ValueError, match=r"evaluation.json is not a JSON evaluation record.*delete it"):
+        found.evaluation()

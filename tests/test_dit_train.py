@@ -138,9 +138,14 @@ def test_resume_continues_exactly(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), straight)
     run(config("train.steps=2", *TINY_MODEL), split)
-    run(config("train.steps=4", "train.ckpt_every=2", "resume=true", *TINY_MODEL), split)
+    resumed = run(config("train.steps=4", "train.ckpt_every=2", "resume=true", *TINY_MODEL), split)
     a, b = latest_checkpoint(straight), latest_checkpoint(split)
     assert a.step == b.step == 4
+    # the rate covers every step (kept in the checkpoint), and a re-run of the finished run reports it
+    assert b.state()["throughput"]["items"] == 4 * 8 and resumed["train_images_per_s"] > 0
+    (split / "results.json").unlink()
+    again = run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), split)
+    assert again["train_images_per_s"] == pytest.approx(resumed["train_images_per_s"])
     for part in ("model.safetensors", "ema.safetensors"):
         wa, wb = a.weights(part), b.weights(part)
         for key in wa:

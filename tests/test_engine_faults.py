@@ -285,3 +285,15 @@ def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_host(tmp_path
     (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "999"}))
     with pytest.raises(RunDirBusy, match="pid 1 on host node-a"):
         RunLock(tmp_path).acquire()
+
+
+def test_a_rank_stopped_by_another_ranks_signal_exits_preempted_without_a_handler():
+    """Under DDP the ranks agree on stopping: a rank that got no signal itself still stops as
+    preempted (exit 75), and does not run a requeue handler it never received a signal for."""
+    from visattn.engine.preempt import Preempted, StopSignal
+
+    with StopSignal() as stop:
+        assert not stop.requested
+        stopped = stop.preempted(step=3)
+    assert isinstance(stopped, Preempted) and stopped.signum == signal.SIGTERM
+    assert stopped.step == 3 and stopped.previous_handler is None

@@ -7,12 +7,17 @@ Layout (both tasks)::
         ema.safetensors     the EMA weights, when the run keeps them
         state.pt            optimizer, step, data position, every rank's RNG, ... (torch.load(weights_only=True))
         manifest.json       written last: format, step, every file and its size
+        evaluation.json     optional, added after the save: the evaluation of these weights (``record_evaluation``)
 
 A save writes ``step-N.tmp-<pid>/``, fsyncs every file, writes the manifest, renames the folder to
 ``step-N`` (atomic: the name did not exist) and only then deletes the older ``step-*`` folders. A
 kill at any instant therefore leaves at least one complete, verifiable checkpoint (or none before the
 first save); the loader takes the newest folder whose manifest verifies and ignores half-written ones.
 ``remove_stale`` (called at start, under the run-dir lock) deletes what an interrupted save left.
+
+``evaluation.json`` is outside the manifest: the checkpoint is complete with or without it. A loop
+that saves before it evaluates (so a stop during a long evaluation loses no training) adds it once
+the evaluation is done, atomically, so a resume knows whether to evaluate again.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 
 from visattn.utils.checkpoint import (
     TEMP_SUFFIX,
+    atomic_write_bytes,
     fsync_dir,
     read_safetensors,
     read_torch_file,
@@ -45,6 +51,7 @@ MANIFEST = "manifest.json"
 MODEL_WEIGHTS = "model.safetensors"
 EMA_WEIGHTS = "ema.safetensors"
 TRAIN_STATE = "state.pt"
+EVALUATION = "evaluation.json"
 FORMAT = "visattn-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^step-\d+\.tmp-\d+$")
@@ -77,6 +84,21 @@ class Checkpoint:
             raise ValueError(f"{self.path / TRAIN_STATE} does not hold the training state of step {self.step} "
                              f"that {self.path / MANIFEST} names; the folder was altered after it was saved")
         return state
+
+    def evaluation(self) -> dict[str, Any] | None:
+        """What ``record_evaluation`` added to this checkpoint (None: it was not evaluated after the save)."""
+        path = self.path / EVALUATION
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path} is not a JSON evaluation record ({type(err).__name__}: {err}); delete it "
+                             "to evaluate this checkpoint again on resume") from None
+        if not isinstance(record, dict) or record.get("step") != self.step:
+            raise ValueError(f"{path} does not record an evaluation of step {self.step} that {self.path / MANIFEST} "
+                             "names; the folder was altered after it was saved (delete the file to evaluate again)")
+        return record
 
 
 def verify_checkpoint(path: str | Path) -> Checkpoint:
@@ -172,13 +194,24 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: Mapping[str, Mappin
     return Checkpoint(final, step, tuple(p.name for p in final.iterdir()))
 
 
+def record_evaluation(run_dir: str | Path, step: int, record: Mapping[str, Any]) -> None:
+    """Add ``record`` (JSON-serialisable: metrics, ...) to the checkpoint of ``step`` as ``evaluation.json``,
+    atomically: a resume sees the whole record or none (``Checkpoint.evaluation``)."""
+    folder = checkpoints_root(run_dir) / step_dir_name(step)
+    if not (folder / MANIFEST).is_file():
+        raise FileNotFoundError(f"{folder} holds no checkpoint; save step {step} before recording its evaluation")
+    text = json.dumps({"step": step, **record}, indent=2) + "\n"
+    atomic_write_bytes(folder / EVALUATION, text.encode())
+    fsync_dir(folder)
+
+
 def remove_stale(run_dir: str | Path) -> list[Path]:
     """Delete what interrupted saves left in a run dir (temp folders, temp files) and checkpoints
     older than the newest complete one. Call only while holding the run dir's lock."""
     run_dir = Path(run_dir)
     removed: list[Path] = []
     root = checkpoints_root(run_dir)
-    for folder in (run_dir, root):
+    for folder in (run_dir, root, *step_dirs(run_dir)):  # in a step folder: an interrupted record_evaluation
         if not folder.is_dir():
             continue
         for p in folder.iterdir():

@@ -4,6 +4,11 @@ Run dir outputs: ``metrics.csv`` + ``tb/`` (per epoch), ``checkpoints/step-N/`` 
 see ``checkpoints``; every epoch, before evaluating, and on preemption mid-epoch),
 ``best.safetensors`` (atomic), ``results.json``, and ``head_load.json`` for routed models.
 ``loss = task + beta * visattn.aux_loss(model)``.
+
+An epoch that is evaluated is saved first, its evaluation marked pending (its metrics row, without
+the metrics, in the state); the evaluation then logs the row, updates best.safetensors and adds its
+metrics to the checkpoint (``record_evaluation``). A run stopped during the evaluation resumes by
+running it; a resume of a finished run takes the final metrics from the record.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .checkpoints import (
     MODEL_WEIGHTS,
     Checkpoint,
     checkpoint_to_resume,
+    record_evaluation,
     save_checkpoint,
 )
 from .cls_eval import evaluate
@@ -55,6 +61,7 @@ from .guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
 from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
+from .preempt import Preempted
 from .results import Throughput, count_params, model_flops, peak_memory_mb, write_json, write_results
 from .runlog import MetricsLogger
 from .step import StepGate, clip_and_norm
@@ -98,6 +105,7 @@ class ClsRun:
         self.amp = choose_amp(cfg.train.amp, self.device)
         self.amp_dtype = self.amp.dtype
         self.t0 = time.perf_counter()
+        self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
         seed_everything(cfg.seed)  # same initial weights on every rank
         self.model = build_cls_model(cfg)
@@ -142,7 +150,7 @@ class ClsRun:
         """Train (resuming per ``cfg.resume``); results.json records a finished run, a preempted one
         (``completed: false, preempted: true``) or a failed one (``completed: false, failure``)."""
         try:
-            with self.stop.deferred():  # a stop signal is acted on after the step it arrives in
+            with self.stop.deferred():  # a stop signal is acted on after the step or evaluation it arrives in
                 return self._train()
         except NonFiniteError as err:
             if self.dist.is_main:
@@ -173,12 +181,11 @@ class ClsRun:
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.train.tensorboard, enabled=dist.is_main)
 
         pos = _Position()
+        metrics: dict[str, float] = {}  # the last evaluation's
         found = checkpoint_to_resume(self.cfg.resume, self.run_dir)
         if found is not None:
-            pos = self._resume(found, optimizer, ema, guard)
-            logger.drop_after(pos.step)
-        train_images, train_seconds = 0, 0.0
-        metrics: dict[str, float] = {}
+            pos, pending_row = self._resume(found, optimizer, ema, guard)
+            metrics = self._settle_saved_evaluation(found, pending_row, model, ema, pos, logger)
         for epoch in range(pos.epoch, cfg.train.epochs):
             self.train_loader.sampler.set_epoch(epoch)
             model.train()
@@ -187,7 +194,7 @@ class ClsRun:
                        disable=not (cfg.train.progress and dist.is_main), initial=pos.batches)
             timer = Throughput(self.device)
             timer.start()
-            epoch_images, batches = 0, pos.batches
+            epoch_images, batches, stop = 0, pos.batches, False
             with skip_first_batches(self.train_loader, pos.batches):
                 for images, labels in bar:
                     images = images.to(self.device, non_blocking=True)
@@ -215,16 +222,15 @@ class ClsRun:
                     epoch_images += len(images)
                     if pos.step % 10 == 0 and not bar.disable:
                         bar.set_postfix(loss=f"{task.item():.3f}", lr=f"{lr:.2e}")
-                    if stop:
+                    if stop and batches < steps_per_epoch:  # at the epoch's end, the end-of-epoch save serves
+                        timer.stop(epoch_images)
+                        self.trained.add(epoch_images, timer.seconds)
                         pos = _Position(epoch, batches, pos.step, pos.best, sums.cpu())
                         self._save_last(model, optimizer, ema, guard, pos)
-                        if dist.is_main:
-                            write_results(self.run_dir, {**self._summary(), "completed": False, "preempted": True,
-                                                         "train_steps": pos.step, "epochs": cfg.train.epochs})
-                        raise self.stop.preempted(pos.step)
+                        raise self._preempted(pos.step)
             pos.batches, pos.sums = 0, torch.zeros(3, dtype=torch.float64)
             timer.stop(epoch_images)
-            train_images, train_seconds = train_images + epoch_images, train_seconds + timer.seconds
+            self.trained.add(epoch_images, timer.seconds)
             all_reduce_sum(sums)
             epoch_rate = all_reduce_sum(torch.tensor([timer.rate], device=self.device, dtype=torch.float64))
             last = epoch + 1 == cfg.train.epochs
@@ -234,24 +240,70 @@ class ClsRun:
                 "aux_loss": sums[1].item() / max(sums[2].item(), 1.0), "lr": optimizer.param_groups[0]["lr"],
                 "images_per_s": epoch_rate.item(), "skipped_steps": guard.skipped,
             }
-            if last or stop_here or (epoch + 1) % cfg.train.eval_every == 0:
-                metrics = self._evaluate_epoch(model, ema, row, pos, epoch)
-            logger.log(row)
+            evaluate_now = last or stop_here or (epoch + 1) % cfg.train.eval_every == 0
+            if not evaluate_now:  # logged before the save: a resume from the previous checkpoint drops it
+                logger.log(row)
             pos.epoch = epoch + 1
-            self._save_last(model, optimizer, ema, guard, pos)
+            self._save_last(model, optimizer, ema, guard, pos, pending_row=row if evaluate_now else None)
+            if stop:  # the signal came during the epoch's last step; a resume evaluates the epoch
+                raise self._preempted(pos.step)
+            if evaluate_now:
+                metrics = self._evaluate_saved_epoch(model, ema, row, pos, logger)
             if stop_here and not last:
                 log.info("stopping after epoch %d (train.stop_after_epoch); continue with resume=true", epoch + 1)
                 break
         logger.close()
+        if not metrics:  # a finished run resumed from a checkpoint saved before evaluations were recorded
+            metrics, _ = self._evaluate(unwrap_model(model))  # the last evaluation was of these weights
         results = {
             **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
-            "train_images_per_s": train_images / max(train_seconds, 1e-9) * dist.world_size,
+            "train_images_per_s": None if self.trained.overall_rate is None else self.trained.rate * dist.world_size,
             "train_steps": pos.step, "skipped_steps": guard.skipped,
             "completed": not (cfg.train.stop_after_epoch and cfg.train.stop_after_epoch < cfg.train.epochs),
         }
         if dist.is_main:
             write_results(self.run_dir, results)
         return results
+
+    def _preempted(self, step: int) -> Preempted:
+        """After the checkpoint of ``step`` is saved: results.json of a preempted run, and the exception to raise."""
+        if self.dist.is_main:
+            write_results(self.run_dir, {**self._summary(), "completed": False, "preempted": True,
+                                         "train_steps": step, "epochs": self.cfg.train.epochs})
+        return self.stop.preempted(step)
+
+    def _stop_requested(self) -> bool:
+        """Whether a stop signal reached any rank (one all-reduce, so every rank gives the same answer)."""
+        flag = torch.tensor([float(self.stop.requested)], device=self.device, dtype=torch.float64)
+        return all_reduce_sum(flag).item() > 0
+
+    def _settle_saved_evaluation(self, found: Checkpoint, pending_row: dict[str, Any] | None, model, ema,
+                                 pos: _Position, logger: MetricsLogger) -> dict[str, float]:
+        """On resume from ``found``: the metrics of the evaluation after its save ({} when there was none),
+        running it first when the run stopped before recording it. metrics.csv keeps its rows up to the
+        checkpoint, this epoch's row exactly once."""
+        record = found.evaluation() if pending_row is not None else None
+        if pending_row is None or record is not None:
+            logger.drop_after(pos.step)
+            if record is None:
+                return {}
+            pos.best = record["best_top1"]
+            return record["metrics"]
+        logger.drop_after(pos.step - 1)  # the row, if the stop came after logging it, is logged again
+        log.info("evaluating epoch %d first: the run stopped before its evaluation was recorded", pos.epoch)
+        return self._evaluate_saved_epoch(model, ema, pending_row, pos, logger)
+
+    def _evaluate_saved_epoch(self, model, ema, row: dict[str, Any], pos: _Position,
+                              logger: MetricsLogger) -> dict[str, float]:
+        """The evaluation of the epoch just saved (``pos.epoch`` epochs, step ``pos.step``): logs ``row``
+        with the metrics, records them in the checkpoint, then acts on a stop signal that came meanwhile."""
+        metrics = self._evaluate_epoch(model, ema, row, pos, pos.epoch - 1)
+        logger.log(row)
+        if self.dist.is_main:
+            record_evaluation(self.run_dir, pos.step, {"metrics": metrics, "best_top1": pos.best})
+        if self._stop_requested():
+            raise self._preempted(pos.step)
+        return metrics
 
     def _evaluate_epoch(self, model, ema, row: dict[str, Any], pos: _Position, epoch: int) -> dict[str, float]:
         """Evaluate after an epoch: fills ``row``, updates ``pos.best``, saves best.safetensors."""
@@ -274,7 +326,9 @@ class ClsRun:
                  row["loss"], metrics["top1"], metrics["top5"], pos.best)
         return metrics
 
-    def _save_last(self, model, optimizer, ema, guard: NonFiniteGuard, pos: _Position) -> None:
+    def _save_last(self, model, optimizer, ema, guard: NonFiniteGuard, pos: _Position,
+                   pending_row: dict[str, Any] | None = None) -> None:
+        """Save the checkpoint of ``pos``; ``pending_row``: the epoch's metrics row, its evaluation to follow."""
         weights = {MODEL_WEIGHTS: unwrap_model(model).state_dict()}
         if ema is not None:
             weights[EMA_WEIGHTS] = ema.state_dict()
@@ -285,18 +339,22 @@ class ClsRun:
             state = {
                 "step": pos.step, "epoch": pos.epoch, "batches": pos.batches, "epoch_sums": pos.sums,
                 "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
-                "rng": rngs, "guard": guard.state_dict(),
+                "rng": rngs, "guard": guard.state_dict(), "pending_eval_row": pending_row,
+                "throughput": self.trained.state_dict(),
             }
             save_checkpoint(self.run_dir, pos.step, weights, state)
         barrier()
 
-    def _resume(self, found: Checkpoint, optimizer, ema, guard: NonFiniteGuard) -> _Position:
+    def _resume(self, found: Checkpoint, optimizer, ema,
+                guard: NonFiniteGuard) -> tuple[_Position, dict[str, Any] | None]:
+        """Load ``found``; returns the position and the metrics row of an evaluation it left pending."""
         state = found.state()
         self.model.load_state_dict(found.weights(MODEL_WEIGHTS))
         optimizer.load_state_dict(state["optimizer"])
         if ema is not None and EMA_WEIGHTS in found.files:
             ema.load_state_dict(found.weights(EMA_WEIGHTS))
         guard.load_state_dict(state.get("guard"))
+        self.trained.load_state_dict(state.get("throughput"))
         if state["world_size"] == self.dist.world_size:
             set_rng_state(state["rng"][self.dist.rank])
         else:
@@ -304,7 +362,8 @@ class ClsRun:
                         self.dist.world_size, state["world_size"])
         log.info("resumed from %s at epoch %d, batch %d (step %d)", found.path, state["epoch"], state["batches"],
                  state["step"])
-        return _Position(state["epoch"], state["batches"], state["step"], state["best_top1"], state["epoch_sums"])
+        pos = _Position(state["epoch"], state["batches"], state["step"], state["best_top1"], state["epoch_sums"])
+        return pos, state.get("pending_eval_row")
 
     def _summary(self) -> dict[str, Any]:
         model = self.model

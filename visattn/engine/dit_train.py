@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 def save_training_checkpoint(
     run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
-    guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None,
+    guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None, timer: Throughput | None = None,
 ) -> None:
     """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
     position, every rank's RNG, the guard's counts and ``extra``, e.g. fid_step0); rank 0 writes.
@@ -74,16 +74,19 @@ def save_training_checkpoint(
             "rng": rngs,
             "guard": guard.state_dict(),
             "extra": dict(extra or {}),
+            "throughput": timer.state_dict() if timer is not None else None,
         })
     barrier()
 
 
 def restore_training_checkpoint(
     found: Checkpoint, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo,
-    guard: NonFiniteGuard,
+    guard: NonFiniteGuard, timer: Throughput | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Load what ``save_training_checkpoint`` wrote; returns (step, extra)."""
     state = found.state()
+    if timer is not None:
+        timer.load_state_dict(state.get("throughput"))
     unwrap_model(model).load_state_dict(found.weights(MODEL_WEIGHTS))
     ema.load_state_dict(found.weights(EMA_WEIGHTS))
     opt.load_state_dict(state["optimizer"])
@@ -124,9 +127,10 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                            cause_hint(float(tcfg["lr"]), str(tcfg["amp"]), cfg["data"]["name"]))
     step = 0
     results: dict[str, Any] = {}
+    timer = Throughput(dist.device)  # over every process that trained this run (kept in the checkpoints)
     found = checkpoint_to_resume(cfg.get("resume"), run_dir)
     if found is not None:
-        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard)
+        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer)
         results.update(extra)
         log.info("resumed from %s at step %d", found.path, step)
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
@@ -147,7 +151,6 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     amp = choose_amp(tcfg["amp"], dist.device)
     autocast = amp.autocast(dist.device)
     gate = StepGate(guard, stop, dist.device)
-    timer = Throughput(dist.device)
     stream = iter(batches)
     running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
     t_start = time.perf_counter()
@@ -186,7 +189,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
             if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
-                save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results)
+                save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
+                                         timer=timer)
             if stop_now:
                 bar.close()
                 metrics.close()
@@ -195,7 +199,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     metrics.close()
     train_seconds = time.perf_counter() - t_start
     results.update(info)
-    results.update({"train_steps": step, "train_images_per_s": timer.rate, "train_wall_time_s": train_seconds,
+    # the rate over every step of the run (None after resuming from a checkpoint without the counts)
+    results.update({"train_steps": step, "train_images_per_s": timer.overall_rate, "train_wall_time_s": train_seconds,
                     "skipped_steps": guard.skipped, **amp.record()})
     active, total = info["active_heads"]
     if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load

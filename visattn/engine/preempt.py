@@ -1,5 +1,6 @@
 """Preemption: SIGTERM / SIGUSR1 / SIGUSR2 ask the training loop to stop after the current step
-(outside the loop, e.g. during the final evaluation, they act at once as they would without us).
+(outside the loop, e.g. during DiT's final evaluation, they act at once as they would without us;
+classification evaluates inside the loop, after saving, and stops when the evaluation ends).
 
 The loop checks ``StopSignal.requested`` once per step (agreed over ranks), writes a checkpoint and
 results.json (``completed: false, preempted: true``) and raises ``Preempted``; the entry point then
@@ -81,8 +82,10 @@ class StopSignal:
         return self._previous.get(self.received) if self.received is not None else None
 
     def preempted(self, step: int) -> Preempted:
-        assert self.received is not None
-        return Preempted(self.received, step, self.previous_handler())
+        """The exception to raise after saving. Under DDP a rank may stop because another rank got the
+        signal (the ranks agree on stopping): it reports SIGTERM and runs no previous handler."""
+        signum = self.received if self.received is not None else signal.SIGTERM
+        return Preempted(signum, step, self.previous_handler())
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():

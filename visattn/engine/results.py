@@ -93,6 +93,7 @@ class Throughput:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.items = 0
         self.seconds = 0.0
+        self.complete = True  # False after resuming from a checkpoint that did not keep the counts
         self._t0: float | None = None
 
     def _sync(self) -> None:
@@ -114,3 +115,25 @@ class Throughput:
     @property
     def rate(self) -> float:
         return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, items: int, seconds: float) -> None:
+        """Count a span timed elsewhere (e.g. an epoch's) into this total."""
+        self.items += items
+        self.seconds += seconds
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps, so a resumed run reports the rate over all of its training."""
+        return {"items": float(self.items), "seconds": self.seconds}
+
+    @property
+    def overall_rate(self) -> float | None:
+        """``rate`` when every timed span of the run is counted; None after resuming from a checkpoint
+        that did not keep the counts (a part of the run's rate is not passed off as the whole)."""
+        return self.rate if self.complete else None
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Continue from ``state_dict()``; None (a checkpoint that predates it): counts from zero, and
+        the total is marked incomplete."""
+        self.complete = state is not None
+        state = state or {}
+        self.items, self.seconds = int(state.get("items", 0)), float(state.get("seconds", 0.0))
