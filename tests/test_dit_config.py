@@ -19,7 +19,31 @@ def dit_cfg(*overrides):
 def test_defaults_validate_and_follow_dit():
     cfg = validate_dit_config(dit_cfg())
     assert cfg["train"]["amp"] == "auto"
-    assert cfg["train"]["batch_size"] == 256 and cfg["sample"]["guided_channels"] == 3  # DiT's global batch, sampler
+    assert cfg["train"]["batch_size"] == 256  # DiT's global batch
+    assert validate_dit_config(dit_cfg("dit=s_2"))["sample"]["guided_channels"] == 3  # DiT's sampler
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_fashion"])
+def test_one_channel_presets_sample_with_guidance(preset):
+    """The README's `mode=sample ckpt=RUN_DIR sample.cfg_scale=1.5` on a 1-channel pixel preset: every
+    epsilon channel is guided (DiT's first-3-channels quirk is for 4-channel latents)."""
+    cfg = validate_dit_config(dit_cfg(f"dit={preset}", "mode=sample", "ckpt=.", "sample.cfg_scale=1.5"))
+    assert cfg["sample"]["guided_channels"] is None
+
+
+def test_every_study_dit_run_validates(tmp_path):
+    """Each DiT command of both study profiles passes the checks made before any work (the full
+    profile samples with cfg 4 on 1-channel Fashion-MNIST)."""
+    from visattn.study import load_study_config, plan_runs
+
+    (tmp_path / "data" / "fashion-mnist-500-100-per-class").mkdir(parents=True)  # the quick subset's folder
+    for profile in ("quick", "full"):
+        name = load_study_config(profile).tasks.dit.config_name
+        for spec in plan_runs(profile, tmp_path, tasks=["dit"], seeds=[0]):
+            overrides = [o for o in spec.overrides if not o.startswith("hydra.")]
+            with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+                cfg = OmegaConf.to_container(compose(name, overrides=overrides), resolve=True)
+            validate_dit_config(cfg)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +61,7 @@ def test_defaults_validate_and_follow_dit():
         (["sample.steps=ddim0"], r"sample.steps='ddim0'"),
         (["sample.sampler=euler"], r"sample.sampler='euler' is not known; use one of \('ddpm', 'ddim'\)"),
         (["sample.guided_channels=0"], r"sample.guided_channels=0 must be null \(every channel\) or an integer"),
-        (["sample.cfg_scale=1.5"], r"sample.guided_channels=3 exceeds the model's 1 channels; set .*=null"),
+        (["sample.cfg_scale=1.5", "sample.guided_channels=3"], r"sample.guided_channels=3 exceeds the model's 1 channels; set .*=null"),
         (["train.amp=fp16"], r"train.amp='fp16' is not known"),
         (["mode=eval"], r"mode=eval needs ckpt=PATH"),
         (["resume=maybe"], r"resume='maybe' must be auto, true or false"),
