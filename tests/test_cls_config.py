@@ -83,7 +83,9 @@ def test_experiments_compose(experiment, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "error", "message"),
     [
-        (["budget=s_75"], ValueError, r"attn.shared_heads has 12 entries but the model has 6 layers.*budget=s_75"),
+        (["budget=s_75"], ValueError,
+         r"attn.shared_heads has 12 entries but the model has 6 layers.*budget=s_75.*budget written for "
+         r"this model's depth, or budget=none"),
         (["attn.shared_heads=4", "attn.routed_topk=7"], ValueError, r"routed_topk=7 is outside \[0, 4\]"),
         (["data=imagefolder", "data.root=/no/such/dir"], FileNotFoundError, r"data.root=/no/such/dir.*train"),
         (["data=imagefolder"], ValueError, r"data.root=null.*data.root=PATH"),

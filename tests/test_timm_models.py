@@ -36,6 +36,12 @@ def test_pretrained_without_a_file_says_how_to_give_one():
         timm.create_model(TINY, pretrained=True)
 
 
+def test_pretrained_with_a_missing_file_names_it(tmp_path):
+    missing = tmp_path / "deit_small_patch16_224-cd65a155.pth"
+    with pytest.raises(FileNotFoundError, match=f"file='{missing}' does not exist .*pretrained_cfg_overlay"):
+        timm.create_model(TINY, pretrained=True, pretrained_cfg_overlay=dict(file=str(missing)))
+
+
 def _timm_vit_file(tmp_path, wrap=True):
     torch.manual_seed(0)
     ref = VisionTransformer(**TINY_ARGS).eval()

@@ -88,6 +88,13 @@ def test_pretrained_without_a_file_is_a_clear_error():
         timm.create_model("visattn_transnext_micro", pretrained=True)
 
 
+def test_pretrained_with_a_missing_file_names_it(tmp_path):
+    missing = tmp_path / "MoH-ViT-S-75.pth"
+    with pytest.raises(FileNotFoundError, match=f"file='{missing}' does not exist .*TransNeXt"):
+        timm.create_model("visattn_moh_transnext_small_75", pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(missing)))
+
+
 def test_own_checkpoint_loads_through_timm_and_the_config_describes_the_model(tmp_path):
     torch.manual_seed(0)
     kwargs = dict(in_chans=1, img_size=64, attn={"name": "cosine", "shared_heads": [1, 1, 1, 2], "routed_topk": [0, 1, 1, 1]})

@@ -133,7 +133,9 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
         with torch.device("meta"):
             model = build_cls_model(cfg)
     except (ValueError, TypeError) as err:
-        hint = f" (budget={budget_name(cfg)} supplies the per-layer lists)" if budget_name(cfg) != "none" else ""
+        budget = budget_name(cfg)
+        hint = (f" (budget={budget} supplies the per-layer lists: pick a budget written for this model's depth, "
+                f"or budget=none)") if budget != "none" else ""
         raise ValueError(f"{err}{hint} {where}") from None
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if patch is not None and cfg.data.image_size % patch[0]:

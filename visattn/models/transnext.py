@@ -35,7 +35,6 @@ import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, get_device_dtype, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models._builder import resolve_pretrained_cfg
 from timm.models._features import feature_take_indices
 from timm.models._manipulate import checkpoint
 
@@ -50,6 +49,7 @@ from visattn.attention import (
 from visattn.attention.cosine import CosineAttention
 from visattn.attention.routing import default_budget
 from visattn.models.budgets import get_budget
+from visattn.models.pretrained import require_local_weights
 
 from .aggregated_attention import AggregatedAttention
 
@@ -627,13 +627,6 @@ def _cfg(preset: str) -> dict[str, Any]:
 default_cfgs = generate_default_cfgs({f"visattn_{p}": _cfg(p) for p in (*PRESETS, *MOH_PRESETS)})
 
 
-def _has_weight_source(variant: str, kwargs: Mapping[str, Any]) -> bool:
-    cfg = resolve_pretrained_cfg(
-        variant, pretrained_cfg=kwargs.get("pretrained_cfg"), pretrained_cfg_overlay=kwargs.get("pretrained_cfg_overlay")
-    )
-    return bool(cfg.file or cfg.state_dict or cfg.url or cfg.hf_hub_id)
-
-
 def _data_cfg_overlay(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The data config of the size and channels asked for (timm's data pipeline reads it)."""
     if "img_size" not in kwargs and "in_chans" not in kwargs:
@@ -646,12 +639,8 @@ def create_timm_transnext(preset: str, pretrained: bool = False, **kwargs: Any) 
     """timm entry point of a preset: ``build_model_with_cfg`` with our config, pretrained files
     through ``checkpoint_filter_fn``, ``features_only`` through ``forward_intermediates``."""
     variant = f"visattn_{preset}"
-    if pretrained and not _has_weight_source(variant, kwargs):
-        raise ValueError(
-            f"{variant} has no weights to download; give a local file: timm.create_model({variant!r}, "
-            "pretrained=True, pretrained_cfg_overlay=dict(file=PATH)) (a released TransNeXt / MoH-ViT "
-            ".pth or a visattn .safetensors)"
-        )
+    if pretrained:
+        require_local_weights(variant, kwargs, "a released TransNeXt / MoH-ViT .pth or a visattn .safetensors")
     overlay = {**_data_cfg_overlay(kwargs), **(kwargs.pop("pretrained_cfg_overlay", None) or {})}
     out_indices = kwargs.pop("out_indices", (0, 1, 2, 3))
     model_kwargs = preset_kwargs(preset, kwargs)

@@ -36,6 +36,7 @@ from visattn.attention import (
     per_layer_values,
     swap_attention,
 )
+from visattn.models.pretrained import require_local_weights
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +137,8 @@ def checkpoint_filter_fn(state_dict: Mapping[str, Any], model: VisionTransformer
 
 
 def _create(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    overlay = kwargs.get("pretrained_cfg_overlay") or {}
-    if pretrained and not (overlay.get("file") or overlay.get("state_dict") or kwargs.get("pretrained_cfg")):
-        raise ValueError(
-            f"{variant} has no hosted weights and visattn downloads nothing; give a local checkpoint: "
-            f"timm.create_model({variant!r}, pretrained=True, pretrained_cfg_overlay=dict(file=PATH)) "
-            "(DeiT / timm ViT / visattn weights, .pth or .safetensors)"
-        )
+    if pretrained:
+        require_local_weights(variant, kwargs, "DeiT / timm ViT / visattn weights, .pth or .safetensors")
     # img_size, in_chans and num_classes come from the pretrained config (timm's defaults mechanism)
     skip = ("img_size", "in_chans", "num_classes")
     preset = {k: v for k, v in VIT_PRESETS[variant.removeprefix("visattn_vit_")].items() if k not in skip}
