@@ -33,7 +33,7 @@ def test_one_channel_presets_sample_with_guidance(preset):
 
 def test_every_study_dit_run_validates(tmp_path):
     """Each DiT command of both study profiles passes the checks made before any work (the full
-    profile samples with cfg 4 on 1-channel Fashion-MNIST)."""
+    profile samples with cfg 3 on 1-channel Fashion-MNIST)."""
     from visattn.study import load_study_config, plan_runs
 
     (tmp_path / "data" / "fashion-mnist-500-100-per-class").mkdir(parents=True)  # the quick subset's folder
