@@ -1,6 +1,7 @@
 """train_dit's machinery end to end on tiny shapes: the SD VAE loader, the latent cache, resume."""
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -74,12 +75,19 @@ def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_
     run_dir = tmp_path / "run"
     run(config("train.steps=2", *TINY_MODEL, *vae_args), run_dir)
     ckpt = run_dir  # a run dir: its newest checkpoint's EMA weights
-    run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), run_dir)
-    with np.load(run_dir / "samples.npz") as f:
+    trained = (run_dir / "results.json").read_text()
+    with pytest.raises(ValueError, match="holds a training run's results.json, which mode=sample would replace"):
+        run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), run_dir)
+    assert (run_dir / "results.json").read_text() == trained
+    sample_dir = tmp_path / "samples"
+    run(config("mode=sample", f"ckpt={ckpt}", *TINY_MODEL, *vae_args), sample_dir)
+    with np.load(sample_dir / "samples.npz") as f:
         assert f["arr_0"].shape == (3, 8, 8, 3) and f["arr_0"].dtype == np.uint8
         sample_cfg = sample_settings(config("mode=sample", *TINY_MODEL, *vae_args))
         np.testing.assert_array_equal(f["arr_1"], all_labels(sample_cfg, 3, 10))  # each sample's class
-    assert (run_dir / "samples.png").is_file()
+    assert (sample_dir / "samples.png").is_file()
+    results = json.loads((sample_dir / "results.json").read_text())  # every mode writes results.json
+    assert results["mode"] == "sample" and results["task"] == "dit" and results["num_samples"] == 3
 
 
 def test_train_end_eval_scores_class_agreement_and_active_head_flops(tmp_path):
@@ -100,11 +108,15 @@ def test_train_end_eval_scores_class_agreement_and_active_head_flops(tmp_path):
 
 
 @pytest.mark.parametrize("progress", [True, False])
-def test_train_progress_switches_the_bars_of_training_and_sampling(tmp_path, capsys, progress):
-    """train.progress (both tasks' key): false keeps tqdm bars out of the logs of unattended runs."""
+def test_train_progress_switches_the_bars_of_training_and_sampling(tmp_path, capsys, caplog, progress):
+    """train.progress (both tasks' key): false keeps tqdm bars out of the logs of unattended runs, whose
+    log still has the loss at every log step and the final scores."""
     overrides = [o for o in TINY_MODEL if o != "eval.enabled=false"]
-    run(config("train.steps=2", *overrides, "eval.num_samples=8", "eval.head_load_images=0",
-               f"train.progress={str(progress).lower()}"), tmp_path)
+    with caplog.at_level(logging.INFO):
+        run(config("train.steps=2", *overrides, "eval.num_samples=8", "eval.head_load_images=0",
+                   f"train.progress={str(progress).lower()}"), tmp_path)
+    assert "step 1/2: loss " in caplog.text and "step 2/2: loss " in caplog.text
+    assert "8 samples (digits extractor): fid " in caplog.text
     err = capsys.readouterr().err
     assert ("train: " in err and "sampling: " in err) == progress
     assert ("train: " in err or "sampling: " in err) == progress

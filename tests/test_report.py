@@ -300,6 +300,15 @@ def test_the_ranking_check_covers_the_core_cells_and_tells_cells_apart() -> None
     assert check.after == ("moh (6/8 heads)", "moh (4/8 heads)")
 
 
+def test_runs_that_score_nothing_are_left_out(tmp_path: Path) -> None:
+    """DiT's mode=sample / cache_latents runs write results.json without scores: not cells of a report."""
+    root = tmp_path / "runs"
+    scored = make_run(root, "dit", "mha", 0, (8, 8), {"fid": 3.0, "mode": "train"})
+    make_run(root, "dit", "mha", 1, (8, 8), {"mode": "sample", "num_samples": 64})
+    make_run(root, "dit", "mha", 2, (8, 8), {"mode": "cache_latents"})
+    assert find_run_dirs([root]) == [scored.resolve()]
+
+
 def test_incomplete_runs_are_left_out_and_logged(tmp_path: Path, caplog) -> None:
     """A failed run's results.json (completed: false, no final metrics) must not reach the tables."""
     root = tmp_path / "runs"

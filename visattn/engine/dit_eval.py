@@ -78,6 +78,9 @@ def evaluate_model(
             save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
         scorer, reference = scorer
         scores = scorer.score(images, reference, labels=labels)
+        log.info("%d samples (%s extractor): %s", num_samples, scores.get("extractor", "?"), ", ".join(
+            f"{key} {scores[key]:.4g}" for key in ("fid", "sfid", "is", "precision", "recall", "class_agreement")
+            if isinstance(scores.get(key), float)))
         scores.update({
             "cfg_scale": float(settings["cfg_scale"]),
             "guided_channels": settings.get("guided_channels"),

@@ -188,6 +188,9 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                        "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
                 metrics.log(row)
                 bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
+                if dist.is_main:
+                    log.info("step %d/%d: loss %.4f aux %.3f (%.1f images/s)", step, total_steps, loss_mean,
+                             aux_mean, timer.rate)
             if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
                 save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
                                          timer=timer)

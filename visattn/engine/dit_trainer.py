@@ -11,6 +11,7 @@ loop), dit_eval (sampling + scores, sample / eval modes), dit_latents (cache_lat
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -31,19 +32,36 @@ __all__ = ["MODES", "run"]
 MODES = {"train": train, "sample": sample_mode, "eval": eval_mode, "cache_latents": cache_latents_mode}
 
 
+def refuse_to_overwrite_training(run_dir: Path, mode: str) -> None:
+    """A sample / eval / cache_latents run writes results.json too: into a training run's dir it would
+    replace that run's results. ValueError naming the dir and the fix."""
+    existing = Path(run_dir) / "results.json"
+    if mode == "train" or not existing.is_file():
+        return
+    try:
+        recorded = json.loads(existing.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(recorded, dict) and recorded.get("mode", "train" if "train_steps" in recorded else None) == "train":
+        raise ValueError(f"{run_dir} holds a training run's results.json, which mode={mode} would replace; "
+                         f"give this run its own directory (hydra.run.dir=...; ckpt={run_dir} reads that run)")
+
+
 def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
-    """Run ``cfg.mode`` through the launch layer; rank 0 writes results.json (train / eval) and the
-    results are returned. A preempted training raises ``Preempted`` and a diverged one
+    """Run ``cfg.mode`` through the launch layer; rank 0 writes results.json (every mode, with its
+    ``mode``) and the results are returned. A preempted training raises ``Preempted`` and a diverged one
     ``NonFiniteError``, after writing results.json with ``completed: false`` and why."""
     cfg = validate_dit_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     mode = cfg["mode"]
+    refuse_to_overwrite_training(Path(run_dir), mode)
     with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir) as ctx:
         dist, run_dir = ctx.dist, ctx.run_dir
         start = time.perf_counter()
 
         def finish(results: dict[str, Any]) -> dict[str, Any]:
-            if dist.is_main and mode in ("train", "eval"):
-                results.update({"wall_time_s": time.perf_counter() - start,
+            if dist.is_main:
+                results.setdefault("task", "dit")
+                results.update({"mode": mode, "wall_time_s": time.perf_counter() - start,
                                 "peak_memory_mb": peak_memory_mb(dist.device), "config": dict(cfg)})
                 write_results(run_dir, results)
             return results

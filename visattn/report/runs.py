@@ -192,6 +192,17 @@ def run_completed(path: str | Path) -> bool:
     return not (isinstance(results, dict) and results.get("completed") is False)
 
 
+UNSCORED_MODES = ("sample", "cache_latents")  # DiT runs that write samples or latents, no scores
+
+
+def _mode(path: Path) -> str | None:
+    try:
+        results = json.loads((path / "results.json").read_text())
+    except (OSError, ValueError):
+        return None  # load_run says what is wrong with the file
+    return results.get("mode") if isinstance(results, dict) else None
+
+
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     """Every directory at or below ``paths`` that holds the results.json of a finished run, sorted,
     without duplicates. Runs whose results.json says ``completed: false`` (failed or preempted; they
@@ -209,7 +220,10 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     for path in unfinished:
         log.warning("leaving out %s: its results.json says completed: false (failed or preempted; "
                     "re-run it to resume)", path)
-    found.difference_update(unfinished)
+    unscored = sorted(path for path in found - set(unfinished) if _mode(path) in UNSCORED_MODES)
+    for path in unscored:
+        log.info("leaving out %s: a mode=%s run measures nothing to compare", path, _mode(path))
+    found.difference_update(unfinished, unscored)
     if not found:
         raise FileNotFoundError(f"no results.json of a finished run under {[str(p) for p in paths]}: "
                                 "no finished runs to report")
