@@ -313,6 +313,11 @@ def test_swap_moh_keeps_pretrained_projections_and_takes_per_layer_budgets():
     assert visattn.active_heads(model) == (2 + 4, 8)
     with pytest.raises(ValueError, match="per_layer has 1 entries but the model has 2 attention layers"):
         visattn.swap_attention(_tiny_vit(), "moh", per_layer=[{}])
+    # the same budget as keyword lists, one value per attention layer (as in our models' specs)
+    listed = visattn.swap_attention(_tiny_vit(qkv_bias=True), "moh", shared_heads=[1, 2], routed_topk=[1, 2])
+    assert [(b.attn.router.shared_heads, b.attn.router.routed_topk) for b in listed.blocks] == [(1, 1), (2, 2)]
+    with pytest.raises(ValueError, match="attn.shared_heads has 3 entries but the model has 2 layers"):
+        visattn.swap_attention(_tiny_vit(), "moh", shared_heads=[1, 1, 1], routed_topk=1)
 
 
 def test_active_heads_counts_timm_and_our_layers():

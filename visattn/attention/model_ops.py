@@ -13,6 +13,7 @@ from timm.layers import Attention as TimmAttention
 
 from .base import HeadAttention
 from .registry import build_attention, get_attention_class
+from .spec import expand_per_layer
 
 PerLayer = Sequence[Mapping[str, Any]] | Callable[[int], Mapping[str, Any]] | None
 
@@ -82,8 +83,10 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
 
     Weights are copied wherever names and shapes agree (qkv, proj, norms), so swapping ``mha`` leaves
     the model's outputs unchanged and swapping ``moh`` keeps the pretrained projections; new
-    parameters (routers) keep their fresh initialisation. ``per_layer`` gives extra keywords per
-    layer: a list with one dict per attention layer, or a callable ``layer_idx -> dict``.
+    parameters (routers) keep their fresh initialisation. A keyword given as a list has one value
+    per attention layer (``shared_heads=[2, 2, 3, ...]``), as in our models' specs; ``per_layer``
+    gives extra keywords per layer: a list with one dict per attention layer, or a callable
+    ``layer_idx -> dict``.
     """
     get_attention_class(name)  # fail on an unknown name before touching the model
     layers = attention_modules(model)
@@ -94,8 +97,9 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
             "build the model with the attention you want instead (e.g. create_transnext(..., attn=...))"
         )
     depth = len(layers)
+    layer_kwargs = expand_per_layer(name, kwargs, depth)
     for idx, (path, old) in enumerate(layers):
-        cfg = {**_timm_config(old), **kwargs, **_layer_kwargs(per_layer, idx, depth)}
+        cfg = {**_timm_config(old), **layer_kwargs[idx], **_layer_kwargs(per_layer, idx, depth)}
         cfg.setdefault("layer_idx", idx)
         cfg.setdefault("depth", depth)
         ref = old.qkv.weight
