@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 CLOCKS: dict[str, Callable[[], float]] = {
     "wall": time.perf_counter,
@@ -50,8 +51,11 @@ PROBE_MAX_REPEATS = 20
 
 
 def _mm_seconds(a: torch.Tensor, b: torch.Tensor, now: Callable[[], float]) -> float:
+    """One ``F.linear(a, b)`` (a @ b.T), the kernel of every nn.Linear, where models spend most of their
+    FLOPs. torch.mm takes another CPU path: on AVX2-only CPUs bf16 torch.mm ran 4-7x slower than bf16
+    F.linear (oneDNN), so a torch.mm probe under-stated the peak and models reported > 100% of it."""
     start = now()
-    torch.mm(a, b)
+    F.linear(a, b)
     if a.is_cuda:
         torch.cuda.synchronize(a.device)
     return now() - start
@@ -64,10 +68,11 @@ def matmul_peak_flops(
     """FLOP/s of a square matmul in ``dtype`` (best of its repeats): this machine's practical peak,
     the yardstick for each variant's fraction of peak.
 
-    Sized by time, not by a fixed shape: the side doubles from 64 until one product takes about a
-    tenth of ``budget_s`` (or reaches ``max_size``), then repeats fill the budget (at most 20). The
-    probe costs about ``2 x budget_s`` on a fast matmul and on an emulated one (bf16 on AVX2-only
-    CPUs runs ~20x slower than fp32) alike, instead of minutes for a fixed 2048^2 bf16 product.
+    Sized by time, not by a fixed shape: the side doubles from 64 until one product takes about half
+    of ``budget_s`` (or reaches ``max_size``), then repeats fill the budget (at most 20). The probe
+    costs a few ``budget_s`` on a fast matmul and on an emulated one (bf16 on AVX2-only CPUs runs
+    ~20x slower than fp32) alike, instead of minutes for a fixed 2048^2 bf16 product. Each size is
+    timed with ``F.linear`` (see ``_mm_seconds``).
     """
     if budget_s <= 0:
         raise ValueError(f"budget_s={budget_s} must be > 0 seconds")
@@ -76,9 +81,9 @@ def matmul_peak_flops(
     while True:
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+        _mm_seconds(a, b, now)  # warm-up: first-call dispatch and allocation
         seconds = _mm_seconds(a, b, now)
-        if seconds >= budget_s / 10 or size >= max_size:
+        if seconds >= budget_s / 2 or size >= max_size:
             break
         size *= 2
     repeats = max(1, min(PROBE_MAX_REPEATS, int(budget_s / max(seconds, 1e-9))))
