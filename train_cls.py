@@ -13,6 +13,7 @@ SIGTERM / SIGUSR1 / SIGUSR2 after saving a checkpoint (run again in the same run
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import hydra
@@ -23,6 +24,8 @@ from visattn.engine.cls_trainer import run_cls
 from visattn.engine.launch import launched_rank, prepare_entry_point
 from visattn.engine.preempt import Preempted, exit_preempted
 
+log = logging.getLogger(__name__)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_cls")
 def main(cfg: DictConfig) -> float:
@@ -30,6 +33,9 @@ def main(cfg: DictConfig) -> float:
         results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
     except Preempted as stop:
         exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)
+    except (ValueError, FileNotFoundError) as err:  # a bad value or a missing file: the run's log says so too
+        log.error("%s", err)
+        raise
     if launched_rank() == 0:
         summary = {k: results.get(k) for k in ("top1", "top5", "top1_best", "active_ratio", "run_dir")}
         print(json.dumps(summary))

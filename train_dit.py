@@ -10,6 +10,7 @@ why), 75 stopped by SIGTERM / SIGUSR1 / SIGUSR2 after saving a checkpoint (run a
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import hydra
@@ -20,6 +21,8 @@ from visattn.engine.dit_trainer import run
 from visattn.engine.launch import launched_rank, prepare_entry_point
 from visattn.engine.preempt import Preempted, exit_preempted
 
+log = logging.getLogger(__name__)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_dit")
 def main(cfg: DictConfig) -> None:
@@ -27,6 +30,9 @@ def main(cfg: DictConfig) -> None:
         results = run(OmegaConf.to_container(cfg, resolve=True), HydraConfig.get().runtime.output_dir)
     except Preempted as stop:
         exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)
+    except (ValueError, FileNotFoundError) as err:  # a bad value or a missing file: the run's log says so too
+        log.error("%s", err)
+        raise
     if launched_rank() == 0:
         summary = {k: v for k, v in results.items() if k != "config"}
         print(json.dumps(summary, indent=2, default=str))

@@ -76,6 +76,21 @@ def test_diverging_runs_stop_with_an_error_and_never_save_nan(tmp_path):
             assert all(torch.isfinite(t).all() for t in load_weights(weights).values()), weights
 
 
+def test_a_bad_value_is_written_to_the_runs_own_log(tmp_path):
+    """On a cluster stderr goes elsewhere: the run dir's log names the bad value and the fix too."""
+    runs = {
+        "cls": script("train_cls.py", tmp_path / "cls", "budget.num_heads=[4,4,4]"),
+        "dit": script("train_dit.py", tmp_path / "dit", "train.batch_size=0"),
+    }
+    procs = {k: subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for k, cmd in runs.items()}
+    for task, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err[-2000:]
+        logged = (tmp_path / task / f"train_{task}.log").read_text()
+        assert "ERROR" in logged and ("num_heads has 3 entries" if task == "cls" else "train.batch_size=0") in logged
+
+
 def test_guard_skips_counts_and_resets():
     guard = NonFiniteGuard(limit=1, cause_hint="lr")
     assert guard.check(0, 1.0, 1.0)
