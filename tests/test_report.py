@@ -353,3 +353,23 @@ def test_every_figure_names_the_machine_its_runs_ran_on(study_dirs: Path) -> Non
 
     cells = group_cells([load_run(path) for path in find_run_dirs([study_dirs])])
     assert _machine_caption(cells) == "runs on: Test CPU (2 usable cores), no GPU; torch 2.x"
+
+
+def test_timings_of_runs_that_shared_their_cores_are_marked(tmp_path: Path) -> None:
+    """A run whose process got less than 90% of its threads' CPU time (cpu_share) measured its
+    throughput beside other work: the cost table marks that cell's timings and says why."""
+    from visattn.report.tables import CONTENDED_MARK, CONTENDED_NOTE
+
+    root = tmp_path / "runs"
+    for seed in range(2):
+        make_run(root, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.01 * seed}, cpu_share=0.99)
+        make_run(root, "cls", "relu", seed, (8, 8), {"top1": 0.84 + 0.01 * seed}, cpu_share=0.45 if seed else 0.98)
+    text = write_report([root], tmp_path / "out").read_text()
+    relu = next(line for line in text.splitlines() if line.startswith("| relu |") and "img/s" in line)
+    mha = next(line for line in text.splitlines() if line.startswith("| mha |") and "img/s" in line)
+    assert relu.count(CONTENDED_MARK) == 3 and CONTENDED_MARK not in mha and CONTENDED_NOTE in text
+
+    clean = tmp_path / "clean"
+    for seed in range(2):
+        make_run(clean, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.01 * seed}, cpu_share=0.99)
+    assert CONTENDED_NOTE not in write_report([clean], tmp_path / "out2").read_text()

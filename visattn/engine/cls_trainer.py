@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,15 @@ from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
 from .preempt import Preempted
-from .results import Throughput, count_params, model_flops, peak_memory_mb, write_json, write_results
+from .results import (
+    ProcessClock,
+    Throughput,
+    count_params,
+    model_flops,
+    peak_memory_mb,
+    write_json,
+    write_results,
+)
 from .runlog import MetricsLogger
 from .step import StepGate, clip_and_norm
 
@@ -104,7 +111,7 @@ class ClsRun:
         self.stop = ctx.stop
         self.amp = choose_amp(cfg.train.amp, self.device)
         self.amp_dtype = self.amp.dtype
-        self.t0 = time.perf_counter()
+        self.clock = ProcessClock()
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
         seed_everything(cfg.seed)  # same initial weights on every rank
@@ -377,7 +384,7 @@ class ClsRun:
             "active_heads": [active, total], "active_ratio": active / max(total, 1),
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
             "active_head_flops_per_image": active_head_flops(model, sample),
-            "peak_memory_mb": peak_memory_mb(self.device), "wall_time_s": time.perf_counter() - self.t0,
+            "peak_memory_mb": peak_memory_mb(self.device), **self.clock.record(self.device),
             "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
             # data.bad_images=skip: what this process left out (each rank verifies and skips alike)
             "skipped_files": skipped_files(self.train_set, self.val_set),

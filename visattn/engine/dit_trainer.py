@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from visattn.engine.dit_train import train
 from visattn.engine.guard import NonFiniteError
 from visattn.engine.launch import launched
 from visattn.engine.preempt import Preempted
-from visattn.engine.results import peak_memory_mb, write_results
+from visattn.engine.results import ProcessClock, peak_memory_mb, write_results
 
 __all__ = ["MODES", "run"]
 
@@ -56,12 +55,12 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
     refuse_to_overwrite_training(Path(run_dir), mode)
     with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir) as ctx:
         dist, run_dir = ctx.dist, ctx.run_dir
-        start = time.perf_counter()
+        clock = ProcessClock()
 
         def finish(results: dict[str, Any]) -> dict[str, Any]:
             if dist.is_main:
                 results.setdefault("task", "dit")
-                results.update({"mode": mode, "wall_time_s": time.perf_counter() - start,
+                results.update({"mode": mode, **clock.record(dist.device),
                                 "peak_memory_mb": peak_memory_mb(dist.device), "config": dict(cfg)})
                 write_results(run_dir, results)
             return results

@@ -63,6 +63,21 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+class ProcessClock:
+    """Wall and CPU time of this process since construction. ``cpu_share`` (CPU seconds over wall
+    seconds x torch threads, on CPU) tells whether the run had its cores: below about 0.9 in a run
+    without data-loader workers, it shared them, and its measured throughput reads low."""
+
+    def __init__(self) -> None:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def record(self, device: torch.device | str | None = None) -> dict[str, float | None]:
+        wall, cpu = time.perf_counter() - self.wall0, time.process_time() - self.cpu0
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        share = cpu / (wall * torch.get_num_threads()) if on_cpu and wall > 0 else None
+        return {"wall_time_s": wall, "cpu_time_s": cpu, "cpu_share": share}
+
+
 def peak_memory_mb(device: torch.device | str | None = None) -> float:
     """Peak memory of this process: CUDA allocator peak on a CUDA device, else the peak RSS."""
     device = torch.device(device) if device is not None else None

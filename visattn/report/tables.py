@@ -191,9 +191,22 @@ def _scaled(value: float | None, units: Sequence[tuple[float, str]]) -> str:
     return f"{value:.0f}"
 
 
+CONTENDED_SHARE = 0.9  # a run whose process got less of its threads' CPU time shared its cores
+CONTENDED_MARK = "†"
+CONTENDED_NOTE = (f"{CONTENDED_MARK} at least one run of this cell (or of MHA) got less than "
+                  f"{CONTENDED_SHARE:.0%} of its threads' CPU time (results.json: cpu_share): it shared its "
+                  "cores with other work, so its measured throughput and wall time read low.")
+
+
+def contended(cell: Cell) -> bool:
+    """Whether a run of the cell recorded a CPU share below ``CONTENDED_SHARE``."""
+    return any(share < CONTENDED_SHARE for share in cell.values("cpu_share"))
+
+
 def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
     """Parameters, executed and active-head FLOPs (``visattn.utils.flops.active_head_flops``), and measured
-    throughput / peak memory as ratios to MHA (mean over seeds)."""
+    throughput / peak memory as ratios to MHA (mean over seeds); timings of cells with a run that
+    shared its cores are marked (``CONTENDED_NOTE`` under the table)."""
     header = [
         "variant",
         "active heads (of MHA)",
@@ -205,8 +218,10 @@ def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
         "peak memory (× MHA)",
         "wall time / run",
     ]
-    rows = []
+    rows, marked = [], False
     for cell in cells:
+        mark = CONTENDED_MARK if contended(cell) or (reference is not None and contended(reference)) else ""
+        marked |= bool(mark)
         rows.append(
             [
                 cell.variant,
@@ -214,13 +229,14 @@ def cost_table(cells: Sequence[Cell], reference: Cell | None) -> str:
                 _scaled(_mean(cell, "params"), [(1e9, "G"), (1e6, "M"), (1e3, "k")]),
                 _scaled(_mean(cell, "flops_per_image"), FLOP_UNITS),
                 _scaled(_mean(cell, "active_head_flops_per_image"), FLOP_UNITS),
-                _ratio_text(cell, reference, "train_images_per_s", "img/s"),
-                _ratio_text(cell, reference, "eval_images_per_s", "img/s"),
+                _ratio_text(cell, reference, "train_images_per_s", "img/s") + mark,
+                _ratio_text(cell, reference, "eval_images_per_s", "img/s") + mark,
                 _ratio_text(cell, reference, "peak_memory_mb", "MB"),
-                DASH if _mean(cell, "wall_time_s") is None else f"{_mean(cell, 'wall_time_s'):.0f} s",
+                (DASH if _mean(cell, "wall_time_s") is None else f"{_mean(cell, 'wall_time_s'):.0f} s") + mark,
             ]
         )
-    return markdown_table(header, rows)
+    table = markdown_table(header, rows)
+    return f"{table}\n\n{CONTENDED_NOTE}" if marked else table
 
 
 def noise_statement(cells: Sequence[Cell], reference: Cell | None) -> str:
