@@ -95,6 +95,8 @@ def test_experiments_compose(experiment, tmp_path):
         (["train.epochs=2"], ValueError, r"sched.warmup_epochs=2 .* lower it"),
         (["data.image_size=9"], ValueError, r"data.image_size=9 is not a multiple of the model's patch size 2"),
         (["+model.kwargs.num_heads=[8,8]"], ValueError, r"num_heads has 2 entries but the model has 6 layers"),
+        (["budget.num_heads=[4,4,4]"], ValueError,
+         r"num_heads has 3 entries but the model has 6 layers.*from budget.num_heads: one value per layer"),
         (["data.in_chans=3"], ValueError, r"data.mean=\[0.5\] needs one value per channel"),
         (["train.clip_grad=-1"], ValueError, r"train.clip_grad=-1 must be a finite number > 0; null turns"),
         (["optim.lr=-0.001"], ValueError, r"optim.lr=-0.001 must be a finite number > 0"),

@@ -134,8 +134,13 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
             model = build_cls_model(cfg)
     except (ValueError, TypeError) as err:
         budget = budget_name(cfg)
-        hint = (f" (budget={budget} supplies the per-layer lists: pick a budget written for this model's depth, "
-                f"or budget=none)") if budget != "none" else ""
+        given = [f"budget.{key}" for key in ("num_heads", "shared_heads", "routed_topk")
+                 if cfg.get("budget") and cfg.budget.get(key) is not None]
+        if budget != "none":
+            hint = (f" (budget={budget} supplies the per-layer lists: pick a budget written for this model's depth, "
+                    f"or budget=none)")
+        else:
+            hint = f" (from {', '.join(given)}: one value per layer, or a single value)" if given else ""
         raise ValueError(f"{err}{hint} {where}") from None
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if patch is not None and cfg.data.image_size % patch[0]:
