@@ -156,8 +156,7 @@ def report_progress(specs: Sequence[RunSpec], out: Path, profile: str, descripti
         per_task[spec.task][0] += 1
         per_task[spec.task][1] += spec in done
     note += " Finished / planned: " + ", ".join(f"{task} {d}/{p}" for task, (p, d) in per_task.items()) + "."
-    note += (" The plan runs seed by seed, so every cell of a task has the same seeds finished, except the"
-             " cells of the seed in progress.")
+    note += " The plan runs seed by seed; each table's seeds column says how many a cell has so far."
     if command:
         note += f" Continue with `{command.replace(' --report-only', '')}`."
     title = f"visattn benchmark study ({profile} profile, in progress: {len(done)} of {len(specs)} runs)"
