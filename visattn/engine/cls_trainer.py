@@ -262,9 +262,10 @@ class ClsRun:
         logger.close()
         if not metrics:  # a finished run resumed from a checkpoint saved before evaluations were recorded
             metrics, _ = self._evaluate(unwrap_model(model))  # the last evaluation was of these weights
+        rate = self.trained.overall_rate  # per process; None when a resumed checkpoint kept no counts
         results = {
             **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
-            "train_images_per_s": None if self.trained.overall_rate is None else self.trained.rate * dist.world_size,
+            "train_images_per_s": None if rate is None else rate * dist.world_size,
             "train_steps": pos.step, "skipped_steps": guard.skipped,
             "completed": not (cfg.train.stop_after_epoch and cfg.train.stop_after_epoch < cfg.train.epochs),
         }
