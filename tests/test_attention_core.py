@@ -295,6 +295,18 @@ def test_every_variant_plugs_into_timm_vit_and_trains(name):
     assert torch.isfinite(model(x)).all()
 
 
+@pytest.mark.parametrize("name", visattn.list_attentions())
+@pytest.mark.parametrize("training", [True, False])
+def test_every_variant_takes_an_empty_batch(name, training):
+    """B = 0 (a DDP rank with no images left, an empty eval shard): [0, N, C] out, a gradient back."""
+    m = visattn.build_attention(name, 32, 4).train(training)
+    x = torch.randn(0, 5, 32, requires_grad=True)
+    y = m(x)
+    assert y.shape == (0, 5, 32)
+    y.sum().backward()
+    assert x.grad.shape == (0, 5, 32)
+
+
 def test_swap_mha_into_timm_vit_keeps_outputs():
     model = _tiny_vit(qkv_bias=True).eval()
     x = torch.randn(2, 3, 16, 16)

@@ -83,15 +83,17 @@ def _fold_kernel_into_qk(
     F = c * c_q * d.
     """
     B, H, N, d = q.shape
+    M = k.shape[2]
     _, c_in, c_q, c_k = kernel.shape
     G = H // c_in
     q_off, k_off = list(range(-q_pad[0], c_q - q_pad[0])), list(range(-k_pad[0], c_k - k_pad[0]))
     qs = _shifts(q.reshape(B, G, c_in, N, d), q_off)  # [B, G, c_in, c_q, N, d]
     qs = qs.permute(0, 1, 4, 2, 3, 5).reshape(B, G, 1, N, c_in * c_q * d).expand(B, G, c_in, N, -1)
-    ks = _shifts(k.reshape(B, G, c_in, -1, d), k_off)  # [B, G, c_in, c_k, M, d]
+    ks = _shifts(k.reshape(B, G, c_in, M, d), k_off)  # [B, G, c_in, c_k, M, d]
     w = kernel.to(k.dtype).view(G, c_in, c_in, c_q, c_k)  # [group, out, in, a, b]
     kf = torch.einsum("goiab,zgibmd->zgomiad", w, ks)
-    return qs.reshape(B, H, N, -1), kf.reshape(B, H, kf.shape[3], -1)
+    F_ = c_in * c_q * d  # explicit widths here and below: -1 is ambiguous for B = 0
+    return qs.reshape(B, H, N, F_), kf.reshape(B, H, M, F_)
 
 
 def _stack_shifted_values(
@@ -107,7 +109,7 @@ def _stack_shifted_values(
     G = H // c_in
     vs = _shifts(v.reshape(B, G, c_in, M, d), list(range(k_pad[0], k_pad[0] - c_k, -1)))  # v[j - beta]
     vs = vs.permute(0, 1, 4, 2, 3, 5).reshape(B, G, 1, M, c_in * c_k * d)
-    return vs.expand(B, G, c_in, M, -1).reshape(B, H, M, -1)
+    return vs.expand(B, G, c_in, M, c_in * c_k * d).reshape(B, H, M, c_in * c_k * d)
 
 
 def _combine_shifted_outputs(
@@ -115,14 +117,14 @@ def _combine_shifted_outputs(
 ) -> torch.Tensor:
     """Finish a post-softmax conv: shift each source head's outputs by the query taps and sum with
     the kernel. out: [B, H, N, c * c_k * d] (SDPA over ``_stack_shifted_values``) -> [B, H, N, d]."""
-    B, H, N, _ = out.shape
+    B, H, N, width = out.shape
     _, c_in, c_q, c_k = kernel.shape
-    G = H // c_in
-    r = out.view(B, G, c_in, N, -1)  # [B, G, e, N, o*b*d]
+    G, d = H // c_in, width // (c_in * c_k)
+    r = out.view(B, G, c_in, N, width)  # [B, G, e, N, o*b*d]
     rs = _shifts(r, list(range(-q_pad[0], c_q - q_pad[0])))  # [B, G, e, a, N, o*b*d]
-    rs = rs.view(B, G, c_in, c_q, N, c_in, c_k, -1)
+    rs = rs.view(B, G, c_in, c_q, N, c_in, c_k, d)
     w = kernel.to(out.dtype).view(G, c_in, c_in, c_q, c_k)  # [group, out, in, a, b]
-    return torch.einsum("goeab,zgeanobd->zgond", w, rs).reshape(B, H, N, -1)
+    return torch.einsum("goeab,zgeanobd->zgond", w, rs).reshape(B, H, N, d)
 
 
 def lambda_init(layer_idx: int) -> float:
