@@ -159,6 +159,9 @@ def test_resume_continues_exactly(tmp_path):
     (split / "results.json").unlink()
     again = run(config("train.steps=4", "train.ckpt_every=2", *TINY_MODEL), split)
     assert again["train_images_per_s"] == pytest.approx(resumed["train_images_per_s"])
+    # so do the training seconds: both processes' steps, not the (empty) last process's
+    assert resumed["train_wall_time_s"] == pytest.approx(b.state()["throughput"]["seconds"])
+    assert again["train_wall_time_s"] == pytest.approx(resumed["train_wall_time_s"]) and again["train_wall_time_s"] > 0
     for part in ("model.safetensors", "ema.safetensors"):
         wa, wb = a.weights(part), b.weights(part)
         for key in wa:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -153,12 +152,13 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     gate = StepGate(guard, stop, dist.device)
     stream = iter(batches)
     running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
-    t_start = time.perf_counter()
+    timed_images = 0  # since the timer's span started; the span ends (one sync) at a log or a save
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (tcfg["progress"] and dist.is_main),
                dynamic_ncols=True)
     with stop.deferred():  # a stop signal is acted on after the step it arrives in
         while step < total_steps:
-            timer.start()
+            if not timer.running:
+                timer.start()
             x, y = data.batch(next(stream))
             x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
             t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
@@ -174,13 +174,18 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
             if apply:
                 opt.step()
                 ema.update(model)
-            timer.stop(x.shape[0] * dist.world_size)
+            timed_images += x.shape[0] * dist.world_size
             step += 1
+            log_now = step % int(tcfg["log_every"]) == 0 or step == total_steps
+            save_now = step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now
+            if log_now or save_now:
+                timer.stop(timed_images)
+                timed_images = 0
             if apply:
                 running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
                                         torch.ones((), device=dist.device)])
             bar.update(1)
-            if step % int(tcfg["log_every"]) == 0 or step == total_steps:
+            if log_now:
                 loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
                 loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
                 running.zero_()
@@ -191,7 +196,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                 if dist.is_main:
                     log.info("step %d/%d: loss %.4f aux %.3f (%.1f images/s)", step, total_steps, loss_mean,
                              aux_mean, timer.rate)
-            if step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now:
+            if save_now:
                 save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
                                          timer=timer)
             if stop_now:
@@ -200,10 +205,11 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                 raise stop.preempted(step)
     bar.close()
     metrics.close()
-    train_seconds = time.perf_counter() - t_start
     results.update(info)
-    # the rate over every step of the run (None after resuming from a checkpoint without the counts)
-    results.update({"train_steps": step, "train_images_per_s": timer.overall_rate, "train_wall_time_s": train_seconds,
+    # rate and seconds over every step of the run, all processes (None after resuming from a checkpoint
+    # without the counts)
+    results.update({"train_steps": step, "train_images_per_s": timer.overall_rate,
+                    "train_wall_time_s": timer.seconds if timer.complete else None,
                     "skipped_steps": guard.skipped, **amp.record()})
     active, total = info["active_heads"]
     if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load

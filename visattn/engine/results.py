@@ -101,7 +101,8 @@ def model_flops(model: nn.Module, *inputs: torch.Tensor) -> float:
 class Throughput:
     """Items per second over the timed spans: ``start()`` ... ``stop(n_items)``, repeatable.
 
-    Synchronises CUDA at both ends so the span covers the queued work.
+    Synchronises CUDA at both ends so the span covers the queued work; a span may hold many steps,
+    so a loop can time without a sync per step.
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -126,6 +127,10 @@ class Throughput:
         self.seconds += time.perf_counter() - self._t0
         self.items += items
         self._t0 = None
+
+    @property
+    def running(self) -> bool:
+        return self._t0 is not None
 
     @property
     def rate(self) -> float:
