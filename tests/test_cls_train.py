@@ -83,6 +83,10 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     # the training rate covers both epochs, not only the one trained after the resume
     counted = [latest_checkpoint(d).state()["throughput"]["items"] for d in (run_dir, tmp_path)]
     assert counted[0] == counted[1] > 0
+    # so does the run's clock: the first process's seconds are in the resumed run's wall time
+    first_wall = first["wall_time_s"]
+    assert resumed["wall_time_s"] > first_wall > 0 and resumed["cpu_time_s"] > first["cpu_time_s"]
+    assert latest_checkpoint(tmp_path).state()["clock"]["wall"] > first_wall
     a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
@@ -274,7 +278,7 @@ def test_rerun_of_a_trained_run_without_results_writes_the_final_metrics(full_ru
     if stopped != "after_recording":
         (found.path / EVALUATION).unlink(missing_ok=True)
     if stopped == "checkpoint_without_pending_eval":
-        state = {k: v for k, v in found.state().items() if k not in ("pending_eval_row", "throughput")}
+        state = {k: v for k, v in found.state().items() if k not in ("pending_eval_row", "throughput", "clock")}
         weights = found.weights()
         shutil.rmtree(found.path)
         save_checkpoint(run_dir, found.step, {MODEL_WEIGHTS: weights}, state)
@@ -287,8 +291,10 @@ def test_rerun_of_a_trained_run_without_results_writes_the_final_metrics(full_ru
         assert rerun[key] == on_disk[key] == results[key], key
     if stopped != "checkpoint_without_pending_eval":
         assert rerun["train_images_per_s"] == results["train_images_per_s"]  # kept in the checkpoint, not 0
-    else:  # the older checkpoint format kept no counts: the rate is unknown, not 0
+        assert rerun["wall_time_s"] > found.state()["clock"]["wall"]  # the training's time, then this process's
+    else:  # the older checkpoint format kept no counts: the rate and times are unknown, not this process's
         assert rerun["train_images_per_s"] is None and on_disk["train_images_per_s"] is None
+        assert rerun["wall_time_s"] is rerun["cpu_time_s"] is rerun["cpu_share"] is None
     rows, full_rows = metrics_rows(run_dir), metrics_rows(full_dir)
     assert all(same_row(r, f) for r, f in zip(rows, full_rows, strict=True))  # the final row once, as it was
 

@@ -162,6 +162,8 @@ def test_resume_continues_exactly(tmp_path):
     # so do the training seconds: both processes' steps, not the (empty) last process's
     assert resumed["train_wall_time_s"] == pytest.approx(b.state()["throughput"]["seconds"])
     assert again["train_wall_time_s"] == pytest.approx(resumed["train_wall_time_s"]) and again["train_wall_time_s"] > 0
+    # the run's clock covers every process too: the training's, then the re-run's (scoring) time
+    assert again["wall_time_s"] > b.state()["clock"]["wall"] > resumed["train_wall_time_s"]
     for part in ("model.safetensors", "ema.safetensors"):
         wa, wb = a.weights(part), b.weights(part)
         for key in wa:

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from visattn.engine.distributed import all_reduce_sum, broadcast_object, init_distributed
 from visattn.engine.ema import ModelEMA
-from visattn.engine.results import Throughput, count_params, write_results
+from visattn.engine.results import RunClock, Throughput, count_params, write_results
 from visattn.engine.runlog import MetricsLogger
 from visattn.utils.checkpoint import (
     load_train_state,
@@ -100,6 +100,17 @@ def test_results_and_metrics_files(tmp_path):
     tp.start()
     tp.stop(10)
     assert tp.items == 10 and tp.rate > 0
+
+
+def test_run_clock_adds_the_earlier_processes_and_refuses_a_partial_total():
+    clock = RunClock()
+    clock.load_state_dict({"wall": 100.0, "cpu": 90.0, "thread_seconds": 200.0})  # 2 threads, 45% busy
+    rec = clock.record("cpu")
+    assert 100 < rec["wall_time_s"] < 101 and 90 <= rec["cpu_time_s"] < 91
+    assert rec["cpu_share"] == pytest.approx(0.45, abs=0.01)
+    assert clock.record("cuda")["cpu_share"] is None
+    clock.load_state_dict(None)  # a checkpoint that kept no totals: unknown, not this process's time
+    assert clock.record("cpu") == {"wall_time_s": None, "cpu_time_s": None, "cpu_share": None}
 
 
 def test_amp_auto_follows_the_cpu_probe_and_is_recorded(monkeypatch, caplog):

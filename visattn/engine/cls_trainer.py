@@ -62,7 +62,7 @@ from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
 from .preempt import Preempted
 from .results import (
-    ProcessClock,
+    RunClock,
     Throughput,
     count_params,
     model_flops,
@@ -111,7 +111,7 @@ class ClsRun:
         self.stop = ctx.stop
         self.amp = choose_amp(cfg.train.amp, self.device)
         self.amp_dtype = self.amp.dtype
-        self.clock = ProcessClock()
+        self.clock = RunClock()  # every process of this run, across resumes (in the checkpoints)
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
         seed_everything(cfg.seed)  # same initial weights on every rank
@@ -348,7 +348,7 @@ class ClsRun:
                 "step": pos.step, "epoch": pos.epoch, "batches": pos.batches, "epoch_sums": pos.sums,
                 "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
                 "rng": rngs, "guard": guard.state_dict(), "pending_eval_row": pending_row,
-                "throughput": self.trained.state_dict(),
+                "throughput": self.trained.state_dict(), "clock": self.clock.state_dict(),
             }
             save_checkpoint(self.run_dir, pos.step, weights, state)
         barrier()
@@ -363,6 +363,7 @@ class ClsRun:
             ema.load_state_dict(found.weights(EMA_WEIGHTS))
         guard.load_state_dict(state.get("guard"))
         self.trained.load_state_dict(state.get("throughput"))
+        self.clock.load_state_dict(state.get("clock"))
         if state["world_size"] == self.dist.world_size:
             set_rng_state(state["rng"][self.dist.rank])
         else:

@@ -44,6 +44,7 @@ from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from visattn.engine.launch import seed_everything
 from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
+    RunClock,
     Throughput,
     write_json,
 )
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 def save_training_checkpoint(
     run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
     guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None, timer: Throughput | None = None,
+    clock: RunClock | None = None,
 ) -> None:
     """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
     position, every rank's RNG, the guard's counts and ``extra``, e.g. fid_step0); rank 0 writes.
@@ -74,18 +76,21 @@ def save_training_checkpoint(
             "guard": guard.state_dict(),
             "extra": dict(extra or {}),
             "throughput": timer.state_dict() if timer is not None else None,
+            "clock": clock.state_dict() if clock is not None else None,
         })
     barrier()
 
 
 def restore_training_checkpoint(
     found: Checkpoint, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo,
-    guard: NonFiniteGuard, timer: Throughput | None = None,
+    guard: NonFiniteGuard, timer: Throughput | None = None, clock: RunClock | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Load what ``save_training_checkpoint`` wrote; returns (step, extra)."""
     state = found.state()
     if timer is not None:
         timer.load_state_dict(state.get("throughput"))
+    if clock is not None:
+        clock.load_state_dict(state.get("clock"))
     unwrap_model(model).load_state_dict(found.weights(MODEL_WEIGHTS))
     ema.load_state_dict(found.weights(EMA_WEIGHTS))
     opt.load_state_dict(state["optimizer"])
@@ -99,7 +104,10 @@ def restore_training_checkpoint(
     return int(state["step"]), dict(state.get("extra", {}))
 
 
-def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal) -> dict[str, Any]:
+def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal,
+          clock: RunClock | None = None) -> dict[str, Any]:
+    """Train (resuming from the run's latest checkpoint), then measure head load and score; ``clock``
+    (this process's) is kept in the checkpoints so that it covers every process of the run."""
     tcfg = cfg["train"]
     seed = int(cfg["seed"])
     seed_everything(seed * 1000)
@@ -129,7 +137,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     timer = Throughput(dist.device)  # over every process that trained this run (kept in the checkpoints)
     found = checkpoint_to_resume(cfg.get("resume"), run_dir)
     if found is not None:
-        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer)
+        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer, clock)
         results.update(extra)
         log.info("resumed from %s at step %d", found.path, step)
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
@@ -198,7 +206,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                              aux_mean, timer.rate)
             if save_now:
                 save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
-                                         timer=timer)
+                                         timer=timer, clock=clock)
             if stop_now:
                 bar.close()
                 metrics.close()

@@ -24,7 +24,7 @@ from visattn.engine.dit_train import train
 from visattn.engine.guard import NonFiniteError
 from visattn.engine.launch import launched
 from visattn.engine.preempt import Preempted
-from visattn.engine.results import ProcessClock, peak_memory_mb, write_results
+from visattn.engine.results import RunClock, peak_memory_mb, write_results
 
 __all__ = ["MODES", "run"]
 
@@ -55,7 +55,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
     refuse_to_overwrite_training(Path(run_dir), mode)
     with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir) as ctx:
         dist, run_dir = ctx.dist, ctx.run_dir
-        clock = ProcessClock()
+        clock = RunClock()  # training: every process of the run (train keeps it in the checkpoints)
 
         def finish(results: dict[str, Any]) -> dict[str, Any]:
             if dist.is_main:
@@ -66,7 +66,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
             return results
 
         try:
-            results = MODES[mode](cfg, dist, run_dir, ctx.stop) if mode == "train" else MODES[mode](cfg, dist, run_dir)
+            results = MODES[mode](cfg, dist, run_dir, ctx.stop, clock) if mode == "train" else MODES[mode](cfg, dist, run_dir)
         except Preempted as stopped:
             finish({"task": "dit", "completed": False, "preempted": True, "train_steps": stopped.step})
             raise

@@ -63,19 +63,40 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class ProcessClock:
-    """Wall and CPU time of this process since construction. ``cpu_share`` (CPU seconds over wall
-    seconds x torch threads, on CPU) tells whether the run had its cores: below about 0.9 in a run
-    without data-loader workers, it shared them, and its measured throughput reads low."""
+class RunClock:
+    """Wall and CPU time of a run: this process since construction plus the earlier processes that
+    trained it (their totals come back from a checkpoint through ``load_state_dict``).
+
+    ``cpu_share`` (CPU seconds over wall seconds x torch threads, on CPU) tells whether the run had its
+    cores: below about 0.9 in a run without data-loader workers, it shared them, and its measured
+    throughput reads low. After resuming from a checkpoint that did not keep the totals, all three are
+    None: the time of a part of the run is not passed off as the whole.
+    """
 
     def __init__(self) -> None:
         self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.earlier = {"wall": 0.0, "cpu": 0.0, "thread_seconds": 0.0}  # the processes before this one
+        self.complete = True
+
+    def state_dict(self) -> dict[str, float]:
+        """The totals so far, this process included (what a checkpoint keeps)."""
+        wall, cpu = time.perf_counter() - self.wall0, time.process_time() - self.cpu0
+        return {"wall": self.earlier["wall"] + wall, "cpu": self.earlier["cpu"] + cpu,
+                "thread_seconds": self.earlier["thread_seconds"] + wall * torch.get_num_threads()}
+
+    def load_state_dict(self, state: dict[str, float] | None) -> None:
+        """Count the earlier processes' ``state_dict()``; None (a checkpoint that predates it) marks
+        the totals incomplete."""
+        self.complete = state is not None
+        self.earlier = {key: float((state or {}).get(key, 0.0)) for key in self.earlier}
 
     def record(self, device: torch.device | str | None = None) -> dict[str, float | None]:
-        wall, cpu = time.perf_counter() - self.wall0, time.process_time() - self.cpu0
+        if not self.complete:
+            return {"wall_time_s": None, "cpu_time_s": None, "cpu_share": None}
+        total = self.state_dict()
         on_cpu = device is None or torch.device(device).type == "cpu"
-        share = cpu / (wall * torch.get_num_threads()) if on_cpu and wall > 0 else None
-        return {"wall_time_s": wall, "cpu_time_s": cpu, "cpu_share": share}
+        share = total["cpu"] / total["thread_seconds"] if on_cpu and total["thread_seconds"] > 0 else None
+        return {"wall_time_s": total["wall"], "cpu_time_s": total["cpu"], "cpu_share": share}
 
 
 def peak_memory_mb(device: torch.device | str | None = None) -> float:
