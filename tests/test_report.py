@@ -373,3 +373,17 @@ def test_timings_of_runs_that_shared_their_cores_are_marked(tmp_path: Path) -> N
     for seed in range(2):
         make_run(clean, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.01 * seed}, cpu_share=0.99)
     assert CONTENDED_NOTE not in write_report([clean], tmp_path / "out2").read_text()
+
+
+def test_runs_without_a_clock_are_left_out_of_the_wall_time_and_counted(tmp_path: Path) -> None:
+    """A run resumed from a checkpoint that kept no clock totals records null times: the summed wall
+    time covers the other runs and says how many it leaves out; that cell's wall time is the others'."""
+    root = tmp_path / "runs"
+    for seed in range(3):
+        make_run(root, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.01 * seed},
+                 wall_time_s=None if seed == 2 else 60.0 + 30 * seed)
+    text = write_report([root], tmp_path / "out").read_text()
+    assert "wall time, summed: 0.04 h (2.5 min) over 2 runs" in text
+    assert "1 run(s) without it (resumed from a checkpoint that kept no clock)" in text
+    mha = next(line for line in text.splitlines() if line.startswith("| mha |") and "img/s" in line)
+    assert mha.rstrip(" |").endswith("75 s")

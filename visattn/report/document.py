@@ -58,9 +58,12 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
     walls = [wall for wall in (r.value("wall_time_s") for r in runs) if wall is not None]
     if walls:
         total = sum(walls)
+        unknown = len(runs) - len(walls)
         lines.append(
             f"- Runs' wall time, summed: {total / 3600:.2f} h ({total / 60:.1f} min) over {len(walls)} runs "
-            "(each run's own clock, from set-up to results; interpreter start-up not included)"
+            "(each run's own clock over all of its processes, from set-up to results; interpreter start-up "
+            "not included)"
+            + (f"; {unknown} run(s) without it (resumed from a checkpoint that kept no clock)" if unknown else "")
         )
     if profiles:
         lines.append(f"- Study profile(s): {', '.join(profiles)}")
