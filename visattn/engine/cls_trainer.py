@@ -262,7 +262,7 @@ class ClsRun:
         logger.close()
         if not metrics:  # a finished run resumed from a checkpoint saved before evaluations were recorded
             metrics, _ = self._evaluate(unwrap_model(model))  # the last evaluation was of these weights
-        rate = self.trained.overall_rate  # per process; None when a resumed checkpoint kept no counts
+        rate = self.trained.overall_rate  # one rank's, over every process; None when a checkpoint kept no counts
         results = {
             **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
             "train_images_per_s": None if rate is None else rate * dist.world_size,
