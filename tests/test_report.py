@@ -387,3 +387,41 @@ def test_runs_without_a_clock_are_left_out_of_the_wall_time_and_counted(tmp_path
     assert "1 run(s) without it (resumed from a checkpoint that kept no clock)" in text
     mha = next(line for line in text.splitlines() if line.startswith("| mha |") and "img/s" in line)
     assert mha.rstrip(" |").endswith("75 s")
+
+
+@pytest.mark.parametrize(("values", "target", "higher", "verdict"), [
+    ([0.82, 0.83, 0.84], 0.80, True, "met (the 95% interval clears the target)"),
+    ([0.70, 0.71, 0.72], 0.80, True, "missed (the 95% interval falls short of the target)"),
+    ([0.79, 0.80, 0.84], 0.80, True, "mean meets it; the 95% interval holds the target (not settled)"),
+    ([0.78, 0.79, 0.81], 0.80, True, "mean misses it; the 95% interval holds the target (not settled)"),
+    ([2.5, 2.6, 2.7], 3.0, False, "met (the 95% interval clears the target)"),  # lower is better (FID)
+    ([0.81], 0.80, True, "met by the one seed (no interval)"),
+    ([], 0.80, True, "not measured"),
+])
+def test_recipe_target_verdict_needs_the_whole_interval(values, target, higher, verdict) -> None:
+    from visattn.report.targets import target_verdict
+
+    assert target_verdict(summarize(values), target, higher) == verdict
+
+
+def test_report_checks_the_mha_cell_against_the_profile_targets(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    for seed, (agreement, recall) in enumerate([(0.802, 0.33), (0.788, 0.335), (0.79, 0.34)]):
+        make_run(root, "dit", "mha", seed, (8, 8), {"fid": 3.0, "class_agreement": agreement, "recall": recall})
+    text = write_report([root], tmp_path / "out", targets={"dit": {"class_agreement": 0.8, "recall": 0.3}}).read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| class agreement |")
+            or line.startswith("| recall |")}
+    assert "| >= 0.800 | 0.793 ± 0.008 [0.775, 0.812] |" in rows["class agreement"]
+    assert rows["class agreement"].rstrip(" |").endswith("mean misses it; the 95% interval holds the target (not settled)")
+    assert rows["recall"].rstrip(" |").endswith("met (the 95% interval clears the target)")
+    assert "The recipe's targets" not in write_report([root], tmp_path / "out2").read_text()  # none given
+
+
+def test_a_target_that_is_no_metric_is_refused_naming_it() -> None:
+    from visattn.report.targets import check_targets
+
+    check_targets({"dit": {"class_agreement": 0.8, "recall": 0.3}})
+    with pytest.raises(ValueError, match=r"dit\.agreement: 'agreement' is not a quality metric .*class_agreement"):
+        check_targets({"dit": {"agreement": 0.8}})
+    with pytest.raises(ValueError, match=r"task 'gen' has no quality metrics"):
+        check_targets({"gen": {"fid": 3.0}})

@@ -257,3 +257,21 @@ def test_report_only_covers_the_finished_runs_and_says_the_study_is_in_progress(
     assert "IN PROGRESS: 3 of the 108 planned runs have finished" in text and "cls 3/54, dit 0/54" in text
     assert "| mha |" in text and "| moh-75 |" in text
     assert not any(p.name.startswith("dit_") for p in out.iterdir())  # nothing run, nothing else reported
+
+
+def test_full_profile_report_checks_mha_against_the_recipe_targets(tmp_path: Path) -> None:
+    """conf/study/full.yaml's targets (DiT class agreement >= 0.80, recall >= 0.30) reach the report."""
+    from visattn.study.__main__ import main
+
+    out = tmp_path / "study"
+    spec = plan_runs("full", out, tasks=["dit"], cells=["mha"], seeds=[0])[0]
+    spec.run_dir.mkdir(parents=True)
+    (spec.run_dir / "results.json").write_text(json.dumps({
+        "task": "dit", "attn": "mha", "seed": 0, "active_heads": [8, 8], "fid": 2.8, "class_agreement": 0.79,
+        "recall": 0.31, "completed": True}))
+    (spec.run_dir / "cell.json").write_text(json.dumps({"cell": "mha", "command": spec.command}))
+    assert main(["--profile", "full", "--out", str(out), "--report-only"]) == 0
+    text = (out / "REPORT.md").read_text()
+    assert "### The recipe's targets (MHA)" in text
+    assert "| class agreement | >= 0.800 | 0.790 (n=1, no interval) | missed by the one seed (no interval) |" in text
+    assert "| recall | >= 0.300 | 0.310 (n=1, no interval) | met by the one seed (no interval) |" in text

@@ -6,7 +6,7 @@ import datetime as dt
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from . import plots
@@ -23,6 +23,7 @@ from .tables import (
     quality_table,
     same_budget_table,
 )
+from .targets import Targets, target_table
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,17 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
     return lines
 
 
-def _task_section(task: str, cells: list[Cell], out: Path) -> list[str]:
+def _task_section(task: str, cells: list[Cell], out: Path, targets: Mapping[str, float] | None = None) -> list[str]:
     reference = reference_cell(cells, task)
     lines = [f"## {TASK_TITLES.get(task, task)}", ""]
     if reference is None:
         lines += ["No `mha` cell for this task: ratios and comparisons with MHA are absent.", ""]
     lines += ["### Quality", "", quality_table(cells, reference), ""]
+    if targets and reference is not None:
+        lines += ["### The recipe's targets (MHA)", "",
+                  "What the study's recipe was chosen to reach with MHA (the profile's `targets`); the "
+                  "comparisons below are about samples of this quality.", "",
+                  target_table(reference, targets), ""]
     lines += ["### Compared with MHA (same task)", "", noise_statement(cells, reference), "",
               comparison_table(cells, reference), ""]
     same_budget = same_budget_table(cells, reference)
@@ -159,8 +165,9 @@ def _commands(runs: Sequence[Run]) -> list[str]:
 
 
 def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "visattn benchmark report",
-                 note: str | None = None) -> Path:
-    """Read every run under ``paths`` and write ``out/REPORT.md`` with its PNG plots; returns the file."""
+                 note: str | None = None, targets: Targets | None = None) -> Path:
+    """Read every run under ``paths`` and write ``out/REPORT.md`` with its PNG plots; returns the file.
+    ``targets`` (``{task: {metric: value}}``) adds a check of each task's MHA cell against them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [load_run(path) for path in find_run_dirs(paths)]
@@ -168,7 +175,7 @@ def write_report(paths: Iterable[str | Path], out: str | Path, title: str = "vis
     log.info("report: %d runs in %d cells -> %s", len(runs), len(cells), out)
     lines = _header(runs, cells, title, note)
     for task in dict.fromkeys(cell.task for cell in cells):
-        lines += _task_section(task, [cell for cell in cells if cell.task == task], out)
+        lines += _task_section(task, [cell for cell in cells if cell.task == task], out, (targets or {}).get(task))
     lines += _commands(runs)
     report = out / "REPORT.md"
     report.write_text("\n".join(lines))

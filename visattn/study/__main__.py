@@ -14,6 +14,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from visattn.report.targets import check_targets
+
 from .plan import PROFILES, load_study_config, plan_runs, subset_dir
 from .runner import report_progress, run_study
 from .subset import write_fashion_mnist_subset
@@ -46,12 +50,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--threads={args.threads} must be >= 1")
         extra = {task: [f"{task_cfg['keys']['threads']}={args.threads}"] for task, task_cfg in cfg.tasks.items()}
     specs = plan_runs(args.profile, out, tasks=args.task, cells=args.cell, seeds=args.seed, extra_overrides=extra)
+    targets = OmegaConf.to_container(cfg.targets) if cfg.get("targets") else None
+    if targets:
+        check_targets(targets)
     if args.dry_run:
         print("\n".join(spec.command for spec in specs))
         return 0
     command = shlex.join(["python", "-m", "visattn.study", *(sys.argv[1:] if argv is None else argv)])
     if args.report_only:
-        report = report_progress(specs, out, args.profile, str(cfg.description), command=command)
+        report = report_progress(specs, out, args.profile, str(cfg.description), command=command, targets=targets)
         if report is not None:
             print(report)
         return 0 if report is not None else 1
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if jobs < 1:
         parser.error(f"--jobs={jobs} must be >= 1")
     report, outcomes = run_study(specs, out, args.profile, str(cfg.description), command=command,
-                                 timeout_s=cfg.get("timeout_s"), jobs=jobs)
+                                 timeout_s=cfg.get("timeout_s"), jobs=jobs, targets=targets)
     if report is not None:
         print(report)
     return 1 if report is None or any(o.failed for o in outcomes) else 0

@@ -28,6 +28,7 @@ from visattn.engine.results import write_json
 from visattn.report.document import write_report
 from visattn.report.machine import describe_machine
 from visattn.report.runs import run_completed
+from visattn.report.targets import Targets
 
 from .plan import REPO_ROOT, RunSpec
 
@@ -93,10 +94,10 @@ def check_run_dirs(specs: Sequence[RunSpec]) -> None:
 
 def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: str, command: str = "",
               timeout_s: float | None = None, python: str = sys.executable,
-              jobs: int = 1) -> tuple[Path | None, list[RunOutcome]]:
+              jobs: int = 1, targets: Targets | None = None) -> tuple[Path | None, list[RunOutcome]]:
     """Run every spec (``jobs`` at a time, started in plan order), write ``out/study.json`` and
     ``out/REPORT.md``; returns the report (None when no run finished) and the outcomes in plan
-    order. ``command`` is the study's own command line."""
+    order. ``command`` is the study's own command line; ``targets`` the profile's (see ``write_report``)."""
     if jobs < 1:
         raise ValueError(f"jobs={jobs} must be >= 1")
     check_run_dirs(specs)
@@ -135,12 +136,13 @@ def run_study(specs: Sequence[RunSpec], out: Path, profile: str, description: st
     if failed:
         note += " Runs that did not finish (absent from the tables): " + "; ".join(
             f"{o.spec.task}/{o.spec.cell}/seed{o.spec.seed} {o.status}" for o in failed) + "."
-    report = write_report(finished_dirs, out, title=f"visattn benchmark study ({profile} profile)", note=note)
+    report = write_report(finished_dirs, out, title=f"visattn benchmark study ({profile} profile)", note=note,
+                          targets=targets)
     return report, outcomes
 
 
 def report_progress(specs: Sequence[RunSpec], out: Path, profile: str, description: str,
-                    command: str = "") -> Path | None:
+                    command: str = "", targets: Targets | None = None) -> Path | None:
     """``out/REPORT.md`` over the planned runs finished so far, for a study run in sittings: the title
     and the note say how many of the plan's runs it covers and which cells lack seeds. None (and
     an error logged) when no run has finished."""
@@ -162,5 +164,5 @@ def report_progress(specs: Sequence[RunSpec], out: Path, profile: str, descripti
     title = f"visattn benchmark study ({profile} profile, in progress: {len(done)} of {len(specs)} runs)"
     if len(done) == len(specs):
         title, note = f"visattn benchmark study ({profile} profile)", f"Profile `{profile}`: {description}"
-    return write_report([spec.run_dir for spec in done], out, title=title, note=note)
+    return write_report([spec.run_dir for spec in done], out, title=title, note=note, targets=targets)
 
