@@ -1,5 +1,8 @@
 """The core attention contract: MHA = timm, GQA/MQA, MoH routing, its loss, the release's parity."""
 
+import copy
+import pickle
+
 import pytest
 import timm
 import torch
@@ -366,3 +369,20 @@ def test_expand_per_layer_reads_hydra_lists():
 
     spec = OmegaConf.create({"shared_heads": [1, 2], "routed_topk": 1})
     assert [layer["shared_heads"] for layer in expand_per_layer("moh", spec, depth=2)] == [1, 2]
+
+
+def test_moh_model_deep_copies_after_a_training_forward():
+    # An EMA (timm's ModelEmaV3, visattn.engine.ema) or a "best model" snapshot deep-copies the model
+    # mid-training; the router's last load-balancing loss is a non-leaf tensor and must not block it.
+    model = nn.Sequential(_moh(8, 2, 3)).train()
+    out = model(_x())
+    (out.sum() + visattn.aux_loss(model)).backward()
+    copied = copy.deepcopy(model)
+    assert copied[0].aux_loss is not None and copied[0].aux_loss.grad_fn is None
+    torch.testing.assert_close(copied[0].aux_loss, model[0].aux_loss.detach())
+    assert model[0].aux_loss.grad_fn is not None  # the original keeps its graph for the training loss
+    copied.eval()
+    model.eval()
+    torch.testing.assert_close(copied(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
+    restored = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(restored(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
