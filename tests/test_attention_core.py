@@ -386,3 +386,24 @@ def test_moh_model_deep_copies_after_a_training_forward():
     torch.testing.assert_close(copied(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
     restored = pickle.loads(pickle.dumps(model))
     torch.testing.assert_close(restored(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
+
+
+def test_swap_attention_warns_when_a_pretrained_weight_cannot_be_kept(caplog):
+    # gqa has fewer key/value heads, so the timm qkv weight no longer fits: the user must be told
+    # that the swapped model does not carry it, not find out from a collapsed accuracy.
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1, num_heads=4)
+    qkv = model.blocks[0].attn.qkv.weight.detach().clone()
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        visattn.swap_attention(model, "gqa", num_kv_heads=2)
+    assert "qkv.weight (576, 192) -> (384, 192)" in caplog.text and "NOT kept" in caplog.text
+    assert model.blocks[0].attn.qkv.weight.shape != qkv.shape
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        visattn.swap_attention(model, "moh", num_kv_heads=2, shared_heads=2, routed_topk=1)
+    assert caplog.text == ""  # every weight kept: no warning
+
+
+def test_building_a_gqa_vit_does_not_warn_about_weights(caplog):
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        timm.create_model("visattn_vit_tiny_patch16_224", attn="gqa", img_size=16, patch_size=8, depth=1)
+    assert "NOT kept" not in caplog.text
