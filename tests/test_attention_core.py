@@ -1,5 +1,8 @@
 """The core attention contract: MHA = timm, GQA/MQA, MoH routing, its loss, the release's parity."""
 
+import copy
+import pickle
+
 import pytest
 import timm
 import torch
@@ -366,3 +369,41 @@ def test_expand_per_layer_reads_hydra_lists():
 
     spec = OmegaConf.create({"shared_heads": [1, 2], "routed_topk": 1})
     assert [layer["shared_heads"] for layer in expand_per_layer("moh", spec, depth=2)] == [1, 2]
+
+
+def test_moh_model_deep_copies_after_a_training_forward():
+    # An EMA (timm's ModelEmaV3, visattn.engine.ema) or a "best model" snapshot deep-copies the model
+    # mid-training; the router's last load-balancing loss is a non-leaf tensor and must not block it.
+    model = nn.Sequential(_moh(8, 2, 3)).train()
+    out = model(_x())
+    (out.sum() + visattn.aux_loss(model)).backward()
+    copied = copy.deepcopy(model)
+    assert copied[0].aux_loss is not None and copied[0].aux_loss.grad_fn is None
+    torch.testing.assert_close(copied[0].aux_loss, model[0].aux_loss.detach())
+    assert model[0].aux_loss.grad_fn is not None  # the original keeps its graph for the training loss
+    copied.eval()
+    model.eval()
+    torch.testing.assert_close(copied(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
+    restored = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(restored(_x(seed=1)), model(_x(seed=1)), rtol=0, atol=0)
+
+
+def test_swap_attention_warns_when_a_pretrained_weight_cannot_be_kept(caplog):
+    # gqa has fewer key/value heads, so the timm qkv weight no longer fits: the user must be told
+    # that the swapped model does not carry it, not find out from a collapsed accuracy.
+    model = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=1, num_heads=4)
+    qkv = model.blocks[0].attn.qkv.weight.detach().clone()
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        visattn.swap_attention(model, "gqa", num_kv_heads=2)
+    assert "qkv.weight (576, 192) -> (384, 192)" in caplog.text and "NOT kept" in caplog.text
+    assert model.blocks[0].attn.qkv.weight.shape != qkv.shape
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        visattn.swap_attention(model, "moh", num_kv_heads=2, shared_heads=2, routed_topk=1)
+    assert caplog.text == ""  # every weight kept: no warning
+
+
+def test_building_a_gqa_vit_does_not_warn_about_weights(caplog):
+    with caplog.at_level("WARNING", logger="visattn.attention.model_ops"):
+        timm.create_model("visattn_vit_tiny_patch16_224", attn="gqa", img_size=16, patch_size=8, depth=1)
+    assert "NOT kept" not in caplog.text

@@ -9,6 +9,7 @@ from visattn.bench import attention_cases, moh_budget
 from visattn.bench.__main__ import main
 from visattn.bench.attention import Shape
 from visattn.bench.memory import call_peak_mb, peak_memory_available
+from visattn.report.machine import cpu_model, usable_cores
 
 
 def test_attention_mode_writes_json_and_table(tmp_path, capsys):
@@ -121,3 +122,15 @@ def test_peak_probe_is_sized_by_time_not_shape(dtype):
     assert flops > 0 and time.perf_counter() - start < 2.0
     with pytest.raises(ValueError, match="budget_s=0"):
         matmul_peak_flops(dtype, budget_s=0)
+
+
+def test_results_record_the_cpu_model_not_just_the_architecture(tmp_path, capsys):
+    # Timings mean nothing without the machine: the JSON names the CPU model (as /proc/cpuinfo does)
+    # and its usable cores, and the printed table says which machine it was measured on.
+    out = tmp_path / "bench.json"
+    argv = ["attention", "--shapes", "1,3,8,2", "--variants", "mha", "--dtypes", "fp32", "--warmup", "0"]
+    main([*argv, "--repeats", "1", "--threads", "1", "--no-train", "--no-memory", "--out", str(out)])
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["cpu"] == cpu_model()
+    assert meta["cores"] == usable_cores()
+    assert f"Machine: {cpu_model()}" in capsys.readouterr().out

@@ -3,6 +3,7 @@ timm models, and rename the released MoH checkpoints' keys."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,8 @@ from timm.layers import Attention as TimmAttention
 from .base import HeadAttention
 from .registry import build_attention, get_attention_class
 from .spec import expand_per_layer
+
+log = logging.getLogger(__name__)
 
 PerLayer = Sequence[Mapping[str, Any]] | Callable[[int], Mapping[str, Any]] | None
 
@@ -78,15 +81,19 @@ def _timm_config(old: nn.Module) -> dict[str, Any]:
     return cfg
 
 
-def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kwargs) -> nn.Module:
+def swap_attention(
+    model: nn.Module, name: str, per_layer: PerLayer = None, *, warn_unkept: bool = True, **kwargs
+) -> nn.Module:
     """Replace every attention layer of a timm model (timm's ``Attention`` or ours) by ``name``.
 
     Weights are copied wherever names and shapes agree (qkv, proj, norms), so swapping ``mha`` leaves
     the model's outputs unchanged and swapping ``moh`` keeps the pretrained projections; new
-    parameters (routers) keep their fresh initialisation. A keyword given as a list has one value
-    per attention layer (``shared_heads=[2, 2, 3, ...]``), as in our models' specs; ``per_layer``
-    gives extra keywords per layer: a list with one dict per attention layer, or a callable
-    ``layer_idx -> dict``.
+    parameters (routers) keep their fresh initialisation, and a warning names any weight whose shape
+    changed (e.g. ``qkv`` when swapping to ``gqa``/``mqa``), which is not kept. A keyword given
+    as a list has one value per attention layer (``shared_heads=[2, 2, 3, ...]``), as in our models'
+    specs; ``per_layer`` gives extra keywords per layer: a list with one dict per attention layer, or
+    a callable ``layer_idx -> dict``. ``warn_unkept=False`` silences the warning (for freshly built models,
+    whose weights are initialised after the swap anyway).
     """
     get_attention_class(name)  # fail on an unknown name before touching the model
     layers = attention_modules(model)
@@ -98,6 +105,7 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
         )
     depth = len(layers)
     layer_kwargs = expand_per_layer(name, kwargs, depth)
+    reshaped: dict[str, str] = {}  # parameter -> "old shape -> new shape", for the warning below
     for idx, (path, old) in enumerate(layers):
         cfg = {**_timm_config(old), **layer_kwargs[idx], **_layer_kwargs(per_layer, idx, depth)}
         cfg.setdefault("layer_idx", idx)
@@ -106,10 +114,20 @@ def swap_attention(model: nn.Module, name: str, per_layer: PerLayer = None, **kw
         new = build_attention(name, old.qkv.in_features, device=ref.device, dtype=ref.dtype, **cfg)
         own = new.state_dict()
         copied = {k: v for k, v in old.state_dict().items() if k in own and own[k].shape == v.shape}
+        for k, v in old.state_dict().items():
+            if k in own and own[k].shape != v.shape:
+                reshaped.setdefault(k, f"{tuple(v.shape)} -> {tuple(own[k].shape)}")
         new.load_state_dict(copied, strict=False)
         new.train(old.training)
         parent_path, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
+    if reshaped and warn_unkept:
+        log.warning(
+            "swap_attention(%r): %s changed shape, so these weights were NOT kept (they are freshly "
+            "initialised; train them or choose keywords that keep the shapes)",
+            name,
+            ", ".join(f"{k} {shapes}" for k, shapes in reshaped.items()),
+        )
     return model
 
 

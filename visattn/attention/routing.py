@@ -115,6 +115,15 @@ class HeadRouter(nn.Module):
         self.aux_loss = None
         self.head_load = None
 
+    def __getstate__(self) -> dict:
+        """State for ``copy.deepcopy`` and pickling: the last load-balancing loss without its autograd
+        graph (a non-leaf tensor cannot be deep-copied, which broke copying a model after a training
+        forward, e.g. for an EMA); the original keeps its graph for the training loss."""
+        state = self.__dict__.copy()
+        if state.get("aux_loss") is not None:
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
+
     @property
     def active_heads(self) -> int:
         return self.shared_heads + self.routed_topk

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import sys
 from pathlib import Path
 
@@ -80,13 +79,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     tuned = tune_glibc_malloc()
     torch.set_num_threads(args.threads)
+    # Imported here: the report package loads matplotlib and scipy, which --help does not need.
+    from visattn.report.machine import describe_machine, machine_line
+
+    machine = describe_machine()
     meta = {
         "mode": args.mode,
         "argv": sys.argv if argv is None else ["python", "-m", "visattn.bench", *argv],
         "torch": torch.__version__,
         "threads": args.threads,
         "clock": args.clock,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": machine["cpu"],  # the model name (/proc/cpuinfo), not just the architecture
+        "cores": machine["cores"],
+        **({"gpu": machine["gpu"]} if "gpu" in machine else {}),
         "malloc_tuned": tuned,
         "memory_measure": "resident-set high-water mark growth during one call (VmHWM after clear_refs)",
     }
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.out)
-    sys.stdout.write(table)
+    sys.stdout.write(f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\n{table}")
     return result
 
 

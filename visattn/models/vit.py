@@ -72,7 +72,7 @@ def vision_transformer(
             get_attention_class(name)(model.embed_dim, **{**layer, "device": "meta"})
         except (ValueError, TypeError) as err:
             raise ValueError(f"attention layer {idx} ({name}, {layer}): {err}") from None
-    swap_attention(model, name, per_layer=layers)
+    swap_attention(model, name, per_layer=layers, warn_unkept=False)  # fresh model: nothing to keep
     for _, module in attention_modules(model):
         named_apply(init_weights_vit_timm, module)
     set_patch_grid(model)
