@@ -9,7 +9,7 @@ from visattn.bench import attention_cases, moh_budget
 from visattn.bench.__main__ import main
 from visattn.bench.attention import Shape
 from visattn.bench.memory import call_peak_mb, peak_memory_available
-from visattn.report.machine import cpu_model, usable_cores
+from visattn.utils.machine import cpu_model, usable_cores
 
 
 def test_attention_mode_writes_json_and_table(tmp_path, capsys):

@@ -17,6 +17,7 @@ import torch
 
 from visattn.attention import list_attentions
 from visattn.utils.allocator import tune_glibc_malloc
+from visattn.utils.machine import describe_machine, machine_line
 
 from .attention import Shape, run_attention_bench
 from .models import MODEL_PRESETS, run_model_bench
@@ -79,9 +80,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     tuned = tune_glibc_malloc()
     torch.set_num_threads(args.threads)
-    # Imported here: the report package loads matplotlib and scipy, which --help does not need.
-    from visattn.report.machine import describe_machine, machine_line
-
     machine = describe_machine()
     meta = {
         "mode": args.mode,

@@ -9,9 +9,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from visattn.utils.machine import describe_machine, machine_line
+
 from . import plots
 from .convergence import ranking_check, ranking_sentence
-from .machine import describe_machine, machine_line
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
 from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
 from .stats import CONFIDENCE

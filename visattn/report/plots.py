@@ -17,8 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from visattn.utils.machine import machine_line  # noqa: E402
+
 from .convergence import RankingCheck, ranking_check, values_at  # noqa: E402
-from .machine import machine_line  # noqa: E402
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, Metric, headline_metric  # noqa: E402
 from .runs import Cell  # noqa: E402
 from .stats import summarize  # noqa: E402

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from visattn.engine.results import write_json
 from visattn.report.document import write_report
-from visattn.report.machine import describe_machine
 from visattn.report.runs import run_completed
 from visattn.report.targets import Targets
+from visattn.utils.machine import describe_machine
 
 from .plan import REPO_ROOT, RunSpec
 

@@ -1,4 +1,4 @@
-"""Describe the machine a study ran on: CPU model, core count, torch version, GPU if any."""
+"""Describe a machine (the one a run, study or benchmark ran on): CPU model, core count, torch version, GPU if any."""
 
 from __future__ import annotations
 
