@@ -183,3 +183,26 @@ def test_bad_settings_fail_clearly(tmp_path):
         run(config("mode=nope"), tmp_path)
     with pytest.raises(ValueError, match="ckpt=PATH"):
         run(config("mode=sample", *TINY_MODEL), tmp_path)
+
+
+def test_resume_with_scoring_continues_exactly(tmp_path):
+    """A run that scores its samples (eval.enabled, the default) builds its scorer, whose extractor's
+    initialisation draws from torch's generator, before the checkpoint's RNG is restored: the resumed
+    steps see the same noise, timesteps and label dropout as an uninterrupted run's."""
+    from visattn.metrics import ReferenceBatch, save_npz_batch
+
+    reference = tmp_path / "ref.npz"  # a small reference keeps the scoring cheap
+    save_npz_batch(reference, ReferenceBatch(np.random.default_rng(0).integers(0, 256, (8, 8, 8, 1), np.uint8)))
+    scoring = [o for o in TINY_MODEL if o != "eval.enabled=false"] + [
+        "eval.num_samples=4", "eval.head_load_images=0", "eval.fid_step0=false", "train.ckpt_every=2",
+        f"eval.reference={reference}"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(config("train.steps=4", *scoring), straight)
+    run(config("train.steps=2", *scoring), split)
+    run(config("train.steps=4", "resume=true", *scoring), split)
+    a, b = latest_checkpoint(straight), latest_checkpoint(split)
+    assert a.step == b.step == 4
+    for part in ("model.safetensors", "ema.safetensors"):
+        wa, wb = a.weights(part), b.weights(part)
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), f"{part}: {key} differs after resume"
