@@ -106,6 +106,8 @@ def test_experiments_compose(experiment, tmp_path):
         (["train.max_nonfinite_steps=-1"], ValueError, r"train.max_nonfinite_steps=-1 must be an integer >= 0"),
         (["train.amp=fp16"], ValueError, r"train.amp='fp16' is not known; use one of auto\|bf16\|none"),
         (["resume=maybe"], FileNotFoundError, r"resume=maybe does not exist; give auto, true"),
+        (["train.aux_loss_weight=-0.01"], ValueError, r"train.aux_loss_weight=-0.01 must be a finite number >= 0"),
+        (["train.ema=true", "train.ema_decay=1.5"], ValueError, r"train.ema_decay=1.5 must be in \[0, 1\]"),
     ],
 )
 def test_validation_errors_name_key_value_and_fix(overrides, error, message):

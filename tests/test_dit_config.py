@@ -54,6 +54,7 @@ def test_every_study_dit_run_validates(tmp_path):
         (["train.clip_grad=-1"], r"train.clip_grad=-1 must be a finite number > 0"),
         (["train.steps=0"], r"train.steps=0 must be an integer >= 1"),
         (["train.ema_decay=1.5"], r"train.ema_decay=1.5 must be in \[0, 1\]"),
+        (["train.aux_loss_weight=-0.01"], r"train.aux_loss_weight=-0.01 must be a finite number >= 0"),
         (["eval.num_samples=3"], r"eval.num_samples=3 must be an integer >= 4 \(FID needs 2, precision/recall"),
         (["mode=sample", "ckpt=.", "sample.num_samples=0"], r"sample.num_samples=0 must be an integer >= 1"),
         (["sample.cfg_scale=-1"], r"sample.cfg_scale=-1 must be a finite number >= 0"),

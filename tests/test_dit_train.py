@@ -183,3 +183,50 @@ def test_bad_settings_fail_clearly(tmp_path):
         run(config("mode=nope"), tmp_path)
     with pytest.raises(ValueError, match="ckpt=PATH"):
         run(config("mode=sample", *TINY_MODEL), tmp_path)
+
+
+def test_resume_with_scoring_continues_exactly(tmp_path):
+    """A run that scores its samples (eval.enabled, the default) builds its scorer, whose extractor's
+    initialisation draws from torch's generator, before the checkpoint's RNG is restored: the resumed
+    steps see the same noise, timesteps and label dropout as an uninterrupted run's."""
+    from visattn.metrics import ReferenceBatch, save_npz_batch
+
+    reference = tmp_path / "ref.npz"  # a small reference keeps the scoring cheap
+    save_npz_batch(reference, ReferenceBatch(np.random.default_rng(0).integers(0, 256, (8, 8, 8, 1), np.uint8)))
+    scoring = [o for o in TINY_MODEL if o != "eval.enabled=false"] + [
+        "eval.num_samples=4", "eval.head_load_images=0", "eval.fid_step0=false", "train.ckpt_every=2",
+        f"eval.reference={reference}"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(config("train.steps=4", *scoring), straight)
+    run(config("train.steps=2", *scoring), split)
+    run(config("train.steps=4", "resume=true", *scoring), split)
+    a, b = latest_checkpoint(straight), latest_checkpoint(split)
+    assert a.step == b.step == 4
+    for part in ("model.safetensors", "ema.safetensors"):
+        wa, wb = a.weights(part), b.weights(part)
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), f"{part}: {key} differs after resume"
+
+
+def test_latent_cache_of_a_folder_with_a_bad_file_keeps_each_latent_with_its_own_label(tiny_vae_dir, tmp_path):
+    """data.bad_images=skip fills a bad file's slot with the next good file: its latent must carry that
+    file's class, not the bad file's, and results.json lists the skipped file."""
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    root = tmp_path / "folder"
+    for split in ("train", "val"):
+        for name, value in (("a_black", 0), ("b_white", 255)):
+            (root / split / name).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (8, 8), (value,) * 3).save(root / split / name / f"{i}.png")
+    (root / "train" / "a_black" / "z_bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")  # slot 2 -> b_white/0
+    out = run(config("mode=cache_latents", "vae=sd", f"vae.path={tiny_vae_dir}", "vae.downsample=2", "data=imagefolder",
+                     f"data.root={root}", "data.image_size=8", "data.num_classes=2", "data.bad_images=skip",
+                     f"data.latents={tmp_path / 'cache'}", "cache.batch_size=2"), tmp_path / "run")
+    shard = load_file(tmp_path / "cache" / "latents-00000.safetensors")
+    first_black, first_white = shard["mean"][0, 0].float(), shard["mean"][3, 0].float()
+    for mean, label in zip(shard["mean"][:, 0].float(), shard["labels"].tolist(), strict=True):
+        assert torch.allclose(mean, first_white if label else first_black), "a latent carries another image's label"
+    assert shard["labels"].tolist() == [0, 0, 1, 1, 1]
+    assert [Path(f["path"]).name for f in out["skipped_files"]] == ["z_bad.png"]

@@ -117,9 +117,23 @@ def _check_imagefolder_config(data: Mapping[str, Any]) -> None:
                 f"data.root={root}: folder {Path(root) / split} does not exist; data=imagefolder expects "
                 f"ImageNet layout ROOT/train/<class>/*.jpeg and ROOT/val/<class>/*.jpeg"
             )
+    _check_same_classes(Path(root))
     check_bad_images_mode(data.get("bad_images", BAD_IMAGES_DEFAULT))
     for key, default in VERIFY_DEFAULTS.items():
         check_verify_level(f"data.{key}", data.get(key, default))
+
+
+def _check_same_classes(root: Path) -> None:
+    """Each split's labels are its sorted class folder names, so train/ and val/ need the same folders."""
+    train, val = (sorted(p.name for p in (root / split).iterdir() if p.is_dir()) for split in IMAGEFOLDER_SPLITS)
+    if train != val:
+        only = {split: sorted(set(mine) - set(other)) for split, mine, other in (("train", train, val),
+                                                                                ("val", val, train))}
+        differences = "; ".join(f"only {split}/ has {names}" for split, names in only.items() if names)
+        raise ValueError(
+            f"data.root={root}: {differences}. Both splits need the same class folders (labels are their sorted "
+            f"names, so a missing or extra folder would give val images other classes' labels)"
+        )
 
 
 def build_imagefolder_split(data: Mapping[str, Any], split: str, transform: Callable | None) -> ImageFolderSplit:

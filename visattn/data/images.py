@@ -131,7 +131,11 @@ class ImageFolderSplit(ImageFolder):
     (``"skip"``)."""
 
     def __init__(self, root: str | Path, transform: Callable | None = None, bad_images: str = "error") -> None:
-        super().__init__(str(root), transform=transform)
+        try:
+            super().__init__(str(root), transform=transform)
+        except FileNotFoundError as err:  # torchvision names an empty class folder, not where it is
+            raise FileNotFoundError(f"{root}: {err}. Every folder in {root} is a class: remove an empty class "
+                                    f"folder or add its images") from None
         self.bad_images = check_bad_images_mode(bad_images)
         self.skip_record = SkipRecord() if bad_images == "skip" else None
 

@@ -108,6 +108,9 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
         _count("train.stop_after_epoch", train.stop_after_epoch)
     _positive_number("optim.lr", cfg.optim.lr)
     _positive_number("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    _positive_number("train.aux_loss_weight", train.aux_loss_weight, allow_zero=True, fix=" (MoH: 0.01)")
+    if train.ema and not (isinstance(train.ema_decay, (int, float)) and 0.0 <= train.ema_decay <= 1.0):
+        raise ValueError(f"train.ema_decay={train.ema_decay!r} must be in [0, 1] (e.g. 0.99996)")
     if train.clip_grad is not None:
         _positive_number("train.clip_grad", train.clip_grad, fix="; null turns clipping off")
     normalize_amp(train.amp)

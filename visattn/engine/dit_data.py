@@ -92,27 +92,37 @@ class EpochBatches:
             self.taken = 0
 
 
-def image_source(cfg: Mapping[str, Any]) -> tuple[Any, np.ndarray]:
-    """Training images uint8 [S, S, C] at data.image_size for the latent cache, indexable, and their
-    labels: embedded datasets centre-padded; an ImageNet-style folder through ADM's centre crop."""
+class ImageSource:
+    """The training images of the latent cache: ``take(a, b)`` -> (uint8 images [b - a, S, S, C], int64
+    labels [b - a]), each label that of the image returned (a folder under ``data.bad_images=skip`` fills
+    a bad file's slot with the next good file, and its class); ``skipped_files()`` lists what was left out."""
+
+    def __init__(self, size: int, take: Callable[[int, int], tuple[np.ndarray, np.ndarray]],
+                 skipped: Callable[[], list[dict[str, str]]] = list) -> None:
+        self.size, self.take, self.skipped_files = size, take, skipped
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def image_source(cfg: Mapping[str, Any]) -> ImageSource:
+    """Training images at data.image_size for the latent cache: embedded datasets centre-padded; an
+    ImageNet-style folder through ADM's centre crop."""
     data = cfg["data"]
     size = int(data["image_size"])
     if data["name"] == "imagefolder":
         from visattn.data.datasets import build_imagefolder_split
+        from visattn.data.images import skipped_files
         from visattn.metrics import center_crop_arr
 
         # data.bad_images / data.verify_train apply; the loader hands over RGB images
         folder = build_imagefolder_split(data, "train", lambda im: center_crop_arr(im, size))
-        return _FirstItems(folder), np.asarray(folder.targets, dtype=np.int64)
+
+        def take(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+            items = [folder[i] for i in range(start, min(stop, len(folder)))]
+            return np.stack([image for image, _ in items]), np.asarray([label for _, label in items], dtype=np.int64)
+
+        return ImageSource(len(folder), take, lambda: skipped_files(folder))
     images, labels = load_pixel_arrays(cfg, "train")
-    return pad_to(images, size), labels
-
-
-class _FirstItems:
-    """dataset[i][0] through slicing: ``view[a:b]`` -> stacked images of items a..b-1."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-
-    def __getitem__(self, items: slice) -> np.ndarray:
-        return np.stack([self.dataset[i][0] for i in range(*items.indices(len(self.dataset)))])
+    images = pad_to(images, size)
+    return ImageSource(len(labels), lambda start, stop: (images[start:stop], labels[start:stop]))

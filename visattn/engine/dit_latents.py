@@ -31,18 +31,18 @@ def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) ->
     vae_cfg = cfg["vae"]
     vae = load_sd_vae(vae_cfg.get("path"), vae_cfg["repo"], float(vae_cfg["scale"]), device=dist.device)
     rgb = vae.autoencoder.config.in_channels == 3
-    images, labels = image_source(cfg)
-    if cfg["cache"].get("max_images"):
-        labels = labels[: int(cfg["cache"]["max_images"])]
+    source = image_source(cfg)
+    count = min(len(source), int(cfg["cache"].get("max_images") or len(source)))
     batch = int(cfg["cache"]["batch_size"])
 
     def batches():
-        for start in tqdm(range(0, len(labels), batch), desc="encoding"):
-            x = to_unit_range(torch.from_numpy(np.ascontiguousarray(images[start : start + batch])))
+        for start in tqdm(range(0, count, batch), desc="encoding"):
+            images, labels = source.take(start, min(start + batch, count))
+            x = to_unit_range(torch.from_numpy(np.ascontiguousarray(images)))
             if rgb and x.shape[1] == 1:
                 x = x.expand(-1, 3, -1, -1)
-            yield x.to(dist.device), torch.from_numpy(np.asarray(labels[start : start + batch]))
+            yield x.to(dist.device), torch.from_numpy(np.asarray(labels))
 
     meta = {"data": cfg["data"]["name"], "image_size": int(cfg["data"]["image_size"])}
     paths = write_latent_cache(out, batches(), vae.encode_moments, vae.scale, int(cfg["cache"]["shard_size"]), meta)
-    return {"latents": str(out), "shards": len(paths), "images": int(len(labels))}
+    return {"latents": str(out), "shards": len(paths), "images": count, "skipped_files": source.skipped_files()}

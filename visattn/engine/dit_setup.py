@@ -128,6 +128,7 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
            f"is not divisible by the {world_size} processes; use a multiple of {world_size}")
     _positive_number("train.lr", train["lr"])
     _positive_number("train.weight_decay", train["weight_decay"], allow_zero=True)
+    _positive_number("train.aux_loss_weight", train["aux_loss_weight"], allow_zero=True)
     _check(isinstance(train["ema_decay"], (int, float)) and 0.0 <= train["ema_decay"] <= 1.0, "train.ema_decay",
            train["ema_decay"], "must be in [0, 1] (DiT: 0.9999)")
     if train.get("clip_grad") is not None:

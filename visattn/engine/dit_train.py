@@ -135,6 +135,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     step = 0
     results: dict[str, Any] = {}
     timer = Throughput(dist.device)  # over every process that trained this run (kept in the checkpoints)
+    # before the checkpoint's RNG is restored: building the extractor draws from torch's generator
+    scorer = build_scorer(cfg) if cfg["eval"]["enabled"] and dist.is_main else None
     found = checkpoint_to_resume(cfg.get("resume"), run_dir)
     if found is not None:
         step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer, clock)
@@ -143,7 +145,6 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
     metrics.drop_after(step)
 
-    scorer = build_scorer(cfg) if cfg["eval"]["enabled"] and dist.is_main else None
     if step == 0 and cfg["eval"]["enabled"] and cfg["eval"]["fid_step0"]:
         scores = evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=False)
         if dist.is_main:
