@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from timm.layers import Attention as TimmAttention
 
 import visattn
-from visattn.attention import expand_per_layer, get_attention_class
+from visattn.attention import expand_per_layer, get_attention_class, parse_attn_spec
 
 torch.set_grad_enabled(True)
 
@@ -203,6 +203,13 @@ def test_bad_shapes_and_names_raise_clear_errors():
         visattn.build_attention("flash", 32, 4)
     with pytest.raises(ValueError, match=r"num_kv_heads=3 must divide num_heads=4"):
         visattn.build_attention("gqa", 32, 4, num_kv_heads=3)
+
+
+def test_unknown_keyword_names_the_variant_and_the_closest_keyword():
+    with pytest.raises(ValueError, match=r"attention 'moh' does not take 'top_k' \(did you mean 'routed_topk'\?\)"):
+        visattn.build_attention("moh", 32, 4, top_k=2)
+    with pytest.raises(ValueError, match=r"attention 'mta' does not take 'kernel'.*; it takes: .*q_kernel"):
+        parse_attn_spec({"name": "mta", "kernel": 3})  # the spec is checked before any model is built
 
 
 def test_expand_per_layer_checks_lengths():

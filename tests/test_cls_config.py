@@ -108,6 +108,7 @@ def test_experiments_compose(experiment, tmp_path):
         (["resume=maybe"], FileNotFoundError, r"resume=maybe does not exist; give auto, true"),
         (["train.aux_loss_weight=-0.01"], ValueError, r"train.aux_loss_weight=-0.01 must be a finite number >= 0"),
         (["train.ema=true", "train.ema_decay=1.5"], ValueError, r"train.ema_decay=1.5 must be in \[0, 1\]"),
+        (["attn=moh", "+attn.top_k=2"], ValueError, r"attention 'moh' does not take 'top_k' \(did you mean 'routed_topk'"),
     ],
 )
 def test_validation_errors_name_key_value_and_fix(overrides, error, message):

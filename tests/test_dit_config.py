@@ -55,6 +55,7 @@ def test_every_study_dit_run_validates(tmp_path):
         (["train.steps=0"], r"train.steps=0 must be an integer >= 1"),
         (["train.ema_decay=1.5"], r"train.ema_decay=1.5 must be in \[0, 1\]"),
         (["train.aux_loss_weight=-0.01"], r"train.aux_loss_weight=-0.01 must be a finite number >= 0"),
+        (["attn=moh", "+attn.top_k=2"], r"attention 'moh' does not take 'top_k' \(did you mean 'routed_topk'"),
         (["eval.num_samples=3"], r"eval.num_samples=3 must be an integer >= 4 \(FID needs 2, precision/recall"),
         (["mode=sample", "ckpt=.", "sample.num_samples=0"], r"sample.num_samples=0 must be an integer >= 1"),
         (["sample.cfg_scale=-1"], r"sample.cfg_scale=-1 must be a finite number >= 0"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .registry import get_attention_class
+from .registry import check_attention_keywords, get_attention_class
 
 
 def _is_sequence(value: Any) -> bool:
@@ -55,7 +55,7 @@ def parse_attn_spec(attn: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]
             raise ValueError(f"attention spec {dict(attn)} has no 'name'; give e.g. {{'name': 'moh', ...}}")
     else:
         raise ValueError(f"attn={attn!r} must be a registered name or a dict with a 'name' key")
-    get_attention_class(name)
+    check_attention_keywords(name, kwargs)
     return name, kwargs
 
 
