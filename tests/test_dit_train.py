@@ -230,3 +230,11 @@ def test_latent_cache_of_a_folder_with_a_bad_file_keeps_each_latent_with_its_own
         assert torch.allclose(mean, first_white if label else first_black), "a latent carries another image's label"
     assert shard["labels"].tolist() == [0, 0, 1, 1, 1]
     assert [Path(f["path"]).name for f in out["skipped_files"]] == ["z_bad.png"]
+
+
+def test_cache_latents_checks_the_data_before_loading_the_vae(tmp_path):
+    """A wrong data.root names data.root, even when the VAE path is also missing."""
+    with pytest.raises(FileNotFoundError, match=r"data.root="):
+        run(config("mode=cache_latents", "vae=sd", f"vae.path={tmp_path / 'no_vae'}", "vae.downsample=2",
+                   "data=imagefolder", f"data.root={tmp_path / 'no_data'}", "data.image_size=8", "data.num_classes=2",
+                   f"data.latents={tmp_path / 'cache'}"), tmp_path / "run")

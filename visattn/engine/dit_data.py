@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,12 @@ def image_source(cfg: Mapping[str, Any]) -> ImageSource:
         from visattn.data.images import skipped_files
         from visattn.metrics import center_crop_arr
 
+        root = data.get("root")
+        if root is None or not (Path(root) / "train").is_dir():
+            raise FileNotFoundError(
+                f"data.root={root}: no folder train/ there; mode=cache_latents with data=imagefolder encodes "
+                f"ROOT/train/<class>/*.jpeg (ImageNet layout), so point data.root at ROOT"
+            )
         # data.bad_images / data.verify_train apply; the loader hands over RGB images
         folder = build_imagefolder_split(data, "train", lambda im: center_crop_arr(im, size))
 

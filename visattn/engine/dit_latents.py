@@ -28,10 +28,10 @@ def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) ->
     out = cfg["data"].get("latents")
     if not out:
         raise ValueError("mode=cache_latents needs data.latents=DIR (where the shards go)")
+    source = image_source(cfg)  # before the VAE: a wrong data.root should fail in seconds, not after a load
     vae_cfg = cfg["vae"]
     vae = load_sd_vae(vae_cfg.get("path"), vae_cfg["repo"], float(vae_cfg["scale"]), device=dist.device)
     rgb = vae.autoencoder.config.in_channels == 3
-    source = image_source(cfg)
     count = min(len(source), int(cfg["cache"].get("max_images") or len(source)))
     batch = int(cfg["cache"]["batch_size"])
 
