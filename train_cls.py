@@ -3,7 +3,7 @@
     python train_cls.py                          # small MoH ViT on digits (the demo)
     python train_cls.py -m attn=mha,moh          # sweep
     torchrun --nproc_per_node=2 train_cls.py     # DDP (gloo on CPU, nccl on GPU)
-    python train_cls.py mode=eval ckpt=RUN_DIR   # top-1 / top-5 of a checkpoint
+    python train_cls.py mode=eval ckpt=RUN_DIR   # top-1 / top-5 of a run's model (its model, attn, budget, data)
 
 Configs: conf/train_cls.yaml and its groups. Prints the results (JSON) when done. Exit codes: 0 done,
 1 error (e.g. non-finite training: results.json says ``completed: false`` and why), 75 stopped by
@@ -20,9 +20,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from visattn.engine.cls_setup import RUN_GROUPS
 from visattn.engine.cls_trainer import run_cls
 from visattn.engine.launch import launched_rank, prepare_entry_point
 from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.training_run import adopt_training_config
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_cls")
 def main(cfg: DictConfig) -> float:
     try:
+        cfg = adopt_training_config(cfg, RUN_GROUPS, HydraConfig.get().overrides.task, modes=("eval",))
         results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
     except Preempted as stop:
         exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)

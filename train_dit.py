@@ -17,9 +17,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from visattn.engine.dit_setup import RUN_GROUPS
 from visattn.engine.dit_trainer import run
 from visattn.engine.launch import launched_rank, prepare_entry_point
 from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.training_run import adopt_training_config
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_dit")
 def main(cfg: DictConfig) -> None:
     try:
+        cfg = adopt_training_config(cfg, RUN_GROUPS, HydraConfig.get().overrides.task, modes=("sample", "eval"))
         results = run(OmegaConf.to_container(cfg, resolve=True), HydraConfig.get().runtime.output_dir)
     except Preempted as stop:
         exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)

@@ -1,8 +1,31 @@
 """Test-session set-up. `make test` runs two xdist workers on our two cores: one torch thread per
 worker avoids oversubscription, which slows small CPU kernels by an order of magnitude."""
 
+import os
+import signal
+
+import pytest
 import torch
 
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def signal_at_step(monkeypatch):
+    """``signal_at_step(module, n, signum)``: the n-th training step of a loop in ``module`` (its n-th
+    call of ``clip_and_norm``, once per step) sends ``signum`` to this process, as a scheduler would."""
+
+    def install(module, n: int, signum: int = signal.SIGTERM) -> None:
+        real, calls = module.clip_and_norm, []
+
+        def signalling(params, clip):
+            calls.append(1)
+            if len(calls) == n:
+                os.kill(os.getpid(), signum)
+            return real(params, clip)
+
+        monkeypatch.setattr(module, "clip_and_norm", signalling)
+
+    return install

@@ -4,6 +4,7 @@ import pytest
 from PIL import Image
 
 from visattn.data.datasets import build_datasets
+from visattn.data.images import ImageFolderSplit
 
 NO_AUG = {"mixup": 0.0, "cutmix": 0.0, "repeated_aug": 0}
 
@@ -41,3 +42,12 @@ def test_an_empty_class_folder_is_named_with_its_path(tmp_path):
         (root / split / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=f"{root / 'train'}.*empty.*(remove|delete)"):
         build_datasets(data_config(root), NO_AUG)
+
+
+def test_a_missing_split_or_one_without_class_folders_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'train'} is not a folder.*<class>/<image>"):
+        ImageFolderSplit(tmp_path / "train")
+    (tmp_path / "train").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "loose.png")  # images straight in the split
+    with pytest.raises(FileNotFoundError, match="holds no class folders; put each class's images in"):
+        ImageFolderSplit(tmp_path / "train")

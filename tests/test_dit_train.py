@@ -1,5 +1,6 @@
 """train_dit's machinery end to end on tiny shapes: the SD VAE loader, the latent cache, resume."""
 
+import csv
 import json
 import logging
 from pathlib import Path
@@ -238,3 +239,19 @@ def test_cache_latents_checks_the_data_before_loading_the_vae(tmp_path):
         run(config("mode=cache_latents", "vae=sd", f"vae.path={tmp_path / 'no_vae'}", "vae.downsample=2",
                    "data=imagefolder", f"data.root={tmp_path / 'no_data'}", "data.image_size=8", "data.num_classes=2",
                    f"data.latents={tmp_path / 'cache'}"), tmp_path / "run")
+
+
+def test_first_log_row_after_a_preemption_averages_every_step_since_the_last_row(tmp_path, signal_at_step):
+    import visattn.engine.dit_train as dit_train
+    from visattn.engine.preempt import Preempted
+
+    every_4 = [*TINY_MODEL, "train.steps=4", "train.log_every=4", "train.ckpt_every=100"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(config(*every_4), straight)
+    signal_at_step(dit_train, 3)
+    with pytest.raises(Preempted, match="after step 3"):
+        run(config(*every_4), split)
+    run(config(*every_4), split)  # resume: auto
+    (a,), (b,) = (list(csv.DictReader((d / "metrics.csv").open())) for d in (straight, split))
+    assert a["step"] == b["step"] == "4"
+    assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6)

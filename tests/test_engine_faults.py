@@ -211,22 +211,12 @@ def test_sigterm_saves_and_exits_then_the_run_resumes_to_completion(tmp_path):
     assert json.loads((run_dir / "results.json").read_text())["completed"] is True
 
 
-def test_classification_preempted_mid_epoch_resumes_there(tmp_path, monkeypatch):
+def test_classification_preempted_mid_epoch_resumes_there(tmp_path, signal_at_step):
     import visattn.engine.cls_trainer as trainer
 
-    real = trainer.clip_and_norm
-    calls = []
-
-    def signal_at_third_step(params, clip):
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return real(params, clip)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(trainer, "clip_and_norm", signal_at_third_step)
-        with pytest.raises(Preempted, match="SIGUSR1 after step 3"):
-            run_cls(cls_cfg(), tmp_path)
+    signal_at_step(trainer, 3, signal.SIGUSR1)
+    with pytest.raises(Preempted, match="SIGUSR1 after step 3"):
+        run_cls(cls_cfg(), tmp_path)
     state = latest_checkpoint(tmp_path).state()
     assert (state["epoch"], state["batches"], state["step"]) == (0, 3, 3)
     assert json.loads((tmp_path / "results.json").read_text())["preempted"] is True

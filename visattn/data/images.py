@@ -131,9 +131,15 @@ class ImageFolderSplit(ImageFolder):
     (``"skip"``)."""
 
     def __init__(self, root: str | Path, transform: Callable | None = None, bad_images: str = "error") -> None:
+        if not Path(root).is_dir():
+            raise FileNotFoundError(f"{root} is not a folder; an ImageFolder split is a folder of class folders, "
+                                    f"{root}/<class>/<image>")
         try:
             super().__init__(str(root), transform=transform)
         except FileNotFoundError as err:  # torchvision names an empty class folder, not where it is
+            if not any(entry.is_dir() for entry in Path(root).iterdir()):
+                raise FileNotFoundError(f"{root} holds no class folders; put each class's images in "
+                                        f"{root}/<class>/") from None
             raise FileNotFoundError(f"{root}: {err}. Every folder in {root} is a class: remove an empty class "
                                     f"folder or add its images") from None
         self.bad_images = check_bad_images_mode(bad_images)

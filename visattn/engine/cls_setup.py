@@ -28,6 +28,8 @@ from .checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
 log = logging.getLogger(__name__)
 
 MODES = ("train", "eval")
+# mode=eval ckpt=RUN_DIR takes these groups from the training run (visattn.engine.training_run)
+RUN_GROUPS = ("model", "attn", "budget", "data", "aug")
 BEST_WEIGHTS = "best.safetensors"
 
 
@@ -206,8 +208,9 @@ def load_model_weights(model: nn.Module, path: str | Path, new_head_ok: bool = F
     if missing or unexpected or mismatched:
         raise ValueError(
             f"{path} does not fit {type(model).__name__}: missing {missing[:6]}, unexpected {unexpected[:6]}, "
-            f"shape (file, model) {dict(list(mismatched.items())[:6])}; check model=, attn= and data.num_classes "
-            f"against the model that wrote the file"
+            f"shape (file, model) {dict(list(mismatched.items())[:6])}; check model= (and model.kwargs), attn=, "
+            f"budget= and data.num_classes against the model that wrote the file (ckpt=RUN_DIR of a training "
+            f"run takes them from the run)"
         )
     model.load_state_dict(state, strict=False)
     log.info("loaded %s (%d tensors)%s", path, len(state),

@@ -72,6 +72,7 @@ from .results import (
 )
 from .runlog import MetricsLogger
 from .step import StepGate, clip_and_norm
+from .training_run import refuse_to_overwrite_training
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +381,7 @@ class ClsRun:
         sample = torch.zeros(1, self.cfg.data.in_chans, self.cfg.data.image_size, self.cfg.data.image_size,
                              device=self.device)
         return {
-            "task": "cls", "attn": self.cfg.attn.name, "attn_spec": attn_spec(self.cfg),
+            "task": "cls", "mode": self.cfg.mode, "attn": self.cfg.attn.name, "attn_spec": attn_spec(self.cfg),
             "model": self.cfg.model.name, "budget": budget_name(self.cfg), "data": self.cfg.data.name,
             "seed": self.cfg.seed, "world_size": self.dist.world_size,
             "active_heads": [active, total], "active_ratio": active / max(total, 1),
@@ -398,6 +399,7 @@ def run_cls(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     ``Preempted`` after saving on a stop signal, ``NonFiniteError`` when training diverged."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_cls_config(cfg, world_size)
+    refuse_to_overwrite_training(run_dir, cfg.mode)
     resume_dir = cfg.resume if isinstance(cfg.resume, str) and cfg.resume != "auto" else run_dir
     with launched(cfg.device, cfg.train.num_threads, resume_dir) as ctx:
         run = ClsRun(cfg, ctx)

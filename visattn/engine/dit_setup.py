@@ -88,6 +88,9 @@ def sample_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 MODES = ("train", "sample", "eval", "cache_latents")
+# mode=sample / eval with ckpt=RUN_DIR take these groups from the training run (visattn.engine.training_run):
+# the model, its diffusion and data, and how the run sampled and scored
+RUN_GROUPS = ("dit", "attn", "budget", "diffusion", "vae", "data", "sample", "eval")
 
 
 def min_eval_samples() -> int:

@@ -58,15 +58,17 @@ log = logging.getLogger(__name__)
 def save_training_checkpoint(
     run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
     guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None, timer: Throughput | None = None,
-    clock: RunClock | None = None,
+    clock: RunClock | None = None, loss_window: torch.Tensor | None = None,
 ) -> None:
     """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
-    position, every rank's RNG, the guard's counts and ``extra``, e.g. fid_step0); rank 0 writes.
-    Non-finite weights are refused on every rank before anything is written."""
+    position, every rank's RNG, the guard's counts, ``extra`` (e.g. fid_step0) and the loss sums of
+    the steps since the last log row, over all ranks); rank 0 writes. Non-finite weights are refused
+    on every rank before anything is written."""
     weights = {MODEL_WEIGHTS: unwrap_model(model).state_dict(), EMA_WEIGHTS: ema.state_dict()}
     for name, tensors in weights.items():
         require_finite(tensors, name, step)
     rngs = all_gather_object(rng_state())
+    window = all_reduce_sum(loss_window.clone()).tolist() if loss_window is not None else None
     if dist.is_main:
         save_checkpoint(run_dir, step, weights, {
             "optimizer": opt.state_dict(),
@@ -77,6 +79,7 @@ def save_training_checkpoint(
             "extra": dict(extra or {}),
             "throughput": timer.state_dict() if timer is not None else None,
             "clock": clock.state_dict() if clock is not None else None,
+            "loss_window": window,
         })
     barrier()
 
@@ -84,9 +87,13 @@ def save_training_checkpoint(
 def restore_training_checkpoint(
     found: Checkpoint, model: nn.Module, ema: ModelEMA, opt, batches: EpochBatches, dist: DistInfo,
     guard: NonFiniteGuard, timer: Throughput | None = None, clock: RunClock | None = None,
+    loss_window: torch.Tensor | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Load what ``save_training_checkpoint`` wrote; returns (step, extra)."""
+    """Load what ``save_training_checkpoint`` wrote; returns (step, extra). ``loss_window`` (rank 0's)
+    takes the saved sums, so the first log row after a resume averages every step since the last row."""
     state = found.state()
+    if loss_window is not None and dist.is_main and state.get("loss_window") is not None:
+        loss_window.copy_(torch.tensor(state["loss_window"], dtype=loss_window.dtype))
     if timer is not None:
         timer.load_state_dict(state.get("throughput"))
     if clock is not None:
@@ -137,9 +144,11 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     timer = Throughput(dist.device)  # over every process that trained this run (kept in the checkpoints)
     # before the checkpoint's RNG is restored: building the extractor draws from torch's generator
     scorer = build_scorer(cfg) if cfg["eval"]["enabled"] and dist.is_main else None
+    running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
     found = checkpoint_to_resume(cfg.get("resume"), run_dir)
     if found is not None:
-        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer, clock)
+        step, extra = restore_training_checkpoint(found, model, ema, opt, batches, dist, guard, timer, clock,
+                                                  loss_window=running)
         results.update(extra)
         log.info("resumed from %s at step %d", found.path, step)
     metrics = MetricsLogger(run_dir, tensorboard=bool(tcfg.get("tensorboard", True)), enabled=dist.is_main)
@@ -160,7 +169,6 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     autocast = amp.autocast(dist.device)
     gate = StepGate(guard, stop, dist.device)
     stream = iter(batches)
-    running = torch.zeros(3, device=dist.device)  # loss, aux, count since the last log
     timed_images = 0  # since the timer's span started; the span ends (one sync) at a log or a save
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (tcfg["progress"] and dist.is_main),
                dynamic_ncols=True)
@@ -207,7 +215,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
                              aux_mean, timer.rate)
             if save_now:
                 save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
-                                         timer=timer, clock=clock)
+                                         timer=timer, clock=clock, loss_window=running)
             if stop_now:
                 bar.close()
                 metrics.close()

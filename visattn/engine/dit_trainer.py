@@ -11,7 +11,6 @@ loop), dit_eval (sampling + scores, sample / eval modes), dit_latents (cache_lat
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,25 +24,11 @@ from visattn.engine.guard import NonFiniteError
 from visattn.engine.launch import launched
 from visattn.engine.preempt import Preempted
 from visattn.engine.results import RunClock, peak_memory_mb, write_results
+from visattn.engine.training_run import refuse_to_overwrite_training
 
 __all__ = ["MODES", "run"]
 
 MODES = {"train": train, "sample": sample_mode, "eval": eval_mode, "cache_latents": cache_latents_mode}
-
-
-def refuse_to_overwrite_training(run_dir: Path, mode: str) -> None:
-    """A sample / eval / cache_latents run writes results.json too: into a training run's dir it would
-    replace that run's results. ValueError naming the dir and the fix."""
-    existing = Path(run_dir) / "results.json"
-    if mode == "train" or not existing.is_file():
-        return
-    try:
-        recorded = json.loads(existing.read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(recorded, dict) and recorded.get("mode", "train" if "train_steps" in recorded else None) == "train":
-        raise ValueError(f"{run_dir} holds a training run's results.json, which mode={mode} would replace; "
-                         f"give this run its own directory (hydra.run.dir=...; ckpt={run_dir} reads that run)")
 
 
 def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
