@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from visattn.data.latents import read_latent_cache
 from visattn.engine.checkpoints import latest_checkpoint
-from visattn.engine.dit_sampling import all_labels
+from visattn.engine.dit_sampling import agreement_labels, all_labels
 from visattn.engine.dit_setup import sample_settings
 from visattn.engine.dit_trainer import run
 from visattn.models.vae import load_sd_vae
@@ -255,3 +255,15 @@ def test_first_log_row_after_a_preemption_averages_every_step_since_the_last_row
     (a,), (b,) = (list(csv.DictReader((d / "metrics.csv").open())) for d in (straight, split))
     assert a["step"] == b["step"] == "4"
     assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6)
+
+
+def test_class_agreement_needs_the_datas_own_classifier(caplog):
+    labels = np.arange(4)
+    fashion = config("data=fashion_mnist")
+    assert agreement_labels(fashion, labels) is labels  # its domain classifier, chosen by default
+    fashion["eval"]["extractor"] = "digits"  # digits' classes say nothing of clothes
+    with caplog.at_level(logging.WARNING):
+        assert agreement_labels(fashion, labels) is None
+    assert "eval.extractor=digits classifies digits images, not data=fashion_mnist" in caplog.text
+    folder = config("data=imagefolder", "data.root=/data")
+    assert agreement_labels(folder, labels) is None  # Inception names ImageNet's classes, not the folder's

@@ -22,7 +22,7 @@ from visattn.engine.distributed import (
     broadcast_object,
 )
 from visattn.engine.dit_data import build_codec
-from visattn.engine.dit_sampling import all_labels, build_scorer, generate_all, save_samples
+from visattn.engine.dit_sampling import agreement_labels, all_labels, build_scorer, generate_all, save_samples
 from visattn.engine.dit_setup import build_diffusion, build_model, sample_settings
 from visattn.engine.results import (
     Throughput,
@@ -77,7 +77,7 @@ def evaluate_model(
         if save:
             save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
         scorer, reference = scorer
-        scores = scorer.score(images, reference, labels=labels)
+        scores = scorer.score(images, reference, labels=agreement_labels(cfg, labels))
         log.info("%d samples (%s extractor): %s", num_samples, scores.get("extractor", "?"), ", ".join(
             f"{key} {scores[key]:.4g}" for key in ("fid", "sfid", "is", "precision", "recall", "class_agreement")
             if isinstance(scores.get(key), float)))

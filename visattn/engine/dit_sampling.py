@@ -7,6 +7,7 @@ the same on any number of processes: rank r draws indices r, r + world, ... and 
 from __future__ import annotations
 
 import io
+import logging
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,7 +24,10 @@ from visattn.data.registry import domain_extractor, is_array_dataset
 from visattn.diffusion import GaussianDiffusion, sample_generators, sample_loop, sampling_fn
 from visattn.engine.distributed import DistInfo, barrier
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, dataset_images, save_npz_batch
+from visattn.metrics.agreement import LABEL_EXTRACTORS
 from visattn.utils.checkpoint import atomic_write_bytes
+
+log = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.npz"
 GRID_FILE = "samples.png"
@@ -135,6 +139,19 @@ def extractor_name(cfg: Mapping[str, Any]) -> str:
     if name:
         return name
     return domain_extractor(cfg["data"]["name"]) or "inception"
+
+
+def agreement_labels(cfg: Mapping[str, Any], labels: np.ndarray) -> np.ndarray | None:
+    """The conditioning labels to score class agreement with, or None where the extractor does not
+    classify this data's classes: a domain classifier (e.g. digits) names its own 10 classes whatever
+    the images are, so its agreement with the labels of other data would be a number without meaning."""
+    name, data = extractor_name(cfg), cfg["data"]["name"]
+    if name == domain_extractor(data):
+        return labels
+    if name in LABEL_EXTRACTORS:
+        log.warning("eval.extractor=%s classifies %s images, not data=%s: class agreement is left out",
+                    name, name, data)
+    return None
 
 
 def build_scorer(cfg: Mapping[str, Any]) -> tuple[Any, Any]:
