@@ -93,10 +93,19 @@ def swap_attention(
     as a list has one value per attention layer (``shared_heads=[2, 2, 3, ...]``), as in our models'
     specs; ``per_layer`` gives extra keywords per layer: a list with one dict per attention layer, or
     a callable ``layer_idx -> dict``. ``warn_unkept=False`` silences the warning (for freshly built models,
-    whose weights are initialised after the swap anyway).
+    whose weights are initialised after the swap anyway). A model with no such layer (EVA, BEiT, Swin
+    and CaiT have attention classes of their own) is refused with a ValueError, not returned unchanged.
     """
     get_attention_class(name)  # fail on an unknown name before touching the model
     layers = attention_modules(model)
+    if not layers:
+        others = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "num_heads")})
+        found = f"its attention ({', '.join(others)}) is not one of them" if others else "it has no attention layers"
+        raise ValueError(
+            f"swap_attention({name!r}) found no attention layer to replace in this {type(model).__name__}: it "
+            f"replaces timm.layers.Attention (timm's VisionTransformer, DeiT) and visattn's modules, and {found}; "
+            "use such a model, or build one with the attention you want (timm.create_model('visattn_vit_...', attn=...))"
+        )
     fixed = sorted({type(m).__name__ for _, m in layers if not getattr(m, "swappable", True)})
     if fixed:
         raise ValueError(
