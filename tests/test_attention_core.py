@@ -342,6 +342,17 @@ def test_swap_moh_keeps_pretrained_projections_and_takes_per_layer_budgets():
         visattn.swap_attention(_tiny_vit(), "moh", shared_heads=[1, 1, 1], routed_topk=1)
 
 
+def test_swap_attention_refuses_a_model_it_finds_no_layer_to_replace():
+    # EVA's (and BEiT's, Swin's, CaiT's) attention is not timm's ``Attention``: the swap used to return
+    # the model untouched, so a user trained plain EVA believing it was MoH.
+    eva = timm.create_model("eva02_tiny_patch14_224", img_size=28, depth=1)
+    with pytest.raises(ValueError, match=r"no attention layer to replace.*EvaAttention"):
+        visattn.swap_attention(eva, "moh")
+    assert type(eva.blocks[0].attn).__name__ == "EvaAttention"
+    with pytest.raises(ValueError, match="no attention layer to replace"):
+        visattn.swap_attention(nn.Linear(4, 4), "mha")
+
+
 def test_active_heads_counts_timm_and_our_layers():
     model = _tiny_vit()
     assert visattn.active_heads(model) == (8, 8)

@@ -12,6 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 import visattn
 from visattn.models.dit import DiT
 from visattn.models.transnext import create_transnext
+from visattn.models.vit import set_patch_grid
 
 TINY = "visattn_vit_tiny_patch2_8"
 TINY_ARGS = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=6, num_heads=8,
@@ -106,6 +107,23 @@ def test_cosine_in_a_vit_biases_patch_tokens_only():
     assert bias[:, 1:, 1:].abs().sum() > 0
     with pytest.raises(ValueError, match="dynamic_img_size"):
         timm.create_model(TINY, attn="cosine", dynamic_img_size=True)
+
+
+def test_cosine_refuses_a_larger_token_grid_than_it_was_given():
+    # The bias covers the last H*W tokens; a larger image used to make the extra patch tokens count as
+    # "prefix" tokens, so the bias of a 4x4 grid landed silently on the last 16 patches of an 8x8 one.
+    model = timm.create_model(TINY, attn="cosine", depth=1).eval()
+    model.set_input_size(img_size=16)  # 8x8 patches; the bias still has the 4x4 grid
+    with pytest.raises(ValueError, match=r"1 prefix tokens.*set_patch_grid"):
+        model(torch.randn(1, 1, 16, 16))
+    set_patch_grid(model)
+    assert model(torch.randn(1, 1, 16, 16)).shape == (1, 10)
+    # the README's swap into a timm ViT, here one that takes any image size
+    vit = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, dynamic_img_size=True)
+    visattn.swap_attention(vit, "cosine", grid_size=vit.patch_embed.grid_size)
+    assert vit.eval()(torch.randn(1, 3, 16, 16)).shape == (1, 1000)
+    with pytest.raises(ValueError, match="does not fit 65 queries"):
+        vit(torch.randn(1, 3, 32, 32))
 
 
 def _step_and_check_grads(model, loss):

@@ -167,6 +167,9 @@ class CosineAttention(HeadAttention):
     Args (besides ``HeadAttention``'s):
         grid_size: (H, W) of the token grid (the last H*W tokens); None = no position bias.
             Change it per input size with ``set_grid_size``.
+        num_prefix_tokens: tokens in front of the grid (a ViT's class and register tokens; given by
+            ``swap_attention`` from the model); an input with another count is refused, so a stale
+            grid cannot bias the wrong tokens. None = whatever precedes the last H*W tokens.
         position_bias: build the continuous position bias MLP (False: never any bias).
         cpb_hidden: hidden width of that MLP (512 in TransNeXt / MoH-ViT).
         pretrain_size: (H, W) token grid of pre-training, which scales the bias's offsets (see
@@ -182,6 +185,7 @@ class CosineAttention(HeadAttention):
         num_heads: int = 8,
         *,
         grid_size: GridSize | None = None,
+        num_prefix_tokens: int | None = None,
         position_bias: bool = True,
         cpb_hidden: int = 512,
         pretrain_size: GridSize | None = None,
@@ -199,6 +203,9 @@ class CosineAttention(HeadAttention):
         self.query_embedding = nn.Parameter(torch.empty(num_heads, 1, self.head_dim, **dd))
         nn.init.trunc_normal_(self.query_embedding, std=0.02)
         self.cpb = ContinuousPositionBias(num_heads, cpb_hidden, pretrain_size, **dd) if position_bias else None
+        if num_prefix_tokens is not None and num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens={num_prefix_tokens} must be >= 0 (None: any count)")
+        self.num_prefix_tokens = num_prefix_tokens
         self.grid_size: GridSize | None = None
         if grid_size is not None:
             self.set_grid_size(grid_size)
@@ -225,11 +232,17 @@ class CosineAttention(HeadAttention):
         h, w = grid_size
         prefix = num_queries - h * w
         # Checked on ints only: under torch.fx the token counts are symbolic and the check is skipped.
-        if isinstance(prefix, int) and (num_queries != num_keys or prefix < 0):
-            raise ValueError(
-                f"grid_size=({h}, {w}) ({h * w} grid tokens) does not fit {num_queries} queries and "
-                f"{num_keys} keys; call set_grid_size with this input's token grid (or None)"
-            )
+        if isinstance(prefix, int):
+            wrong_prefix, after = False, ""
+            expected = self.num_prefix_tokens
+            if expected is not None:  # a block, not an and-chain: TorchScript types a None attribute as NoneType
+                wrong_prefix, after = prefix != expected, f" after {expected} prefix tokens"
+            if num_queries != num_keys or prefix < 0 or wrong_prefix:
+                raise ValueError(
+                    f"grid_size=({h}, {w}) ({h * w} grid tokens{after}) does not fit {num_queries} queries and "
+                    f"{num_keys} keys; call set_grid_size with this input's token grid (or None), in a visattn "
+                    "ViT after set_input_size: visattn.models.vit.set_patch_grid(model)"
+                )
         bias = self.cpb(grid_size)
         if isinstance(prefix, int) and prefix == 0:
             return bias
@@ -255,4 +268,4 @@ class CosineAttention(HeadAttention):
         return self.sdpa(q, k, v, attn_mask, is_causal, scale=1.0)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, grid_size={self.grid_size}"
+        return f"{super().extra_repr()}, grid_size={self.grid_size}, num_prefix_tokens={self.num_prefix_tokens}"

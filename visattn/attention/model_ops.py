@@ -13,7 +13,7 @@ import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
 from .base import HeadAttention
-from .registry import build_attention, get_attention_class
+from .registry import attention_keywords, build_attention, get_attention_class
 from .spec import expand_per_layer
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,21 @@ def swap_attention(
     as a list has one value per attention layer (``shared_heads=[2, 2, 3, ...]``), as in our models'
     specs; ``per_layer`` gives extra keywords per layer: a list with one dict per attention layer, or
     a callable ``layer_idx -> dict``. ``warn_unkept=False`` silences the warning (for freshly built models,
-    whose weights are initialised after the swap anyway).
+    whose weights are initialised after the swap anyway). Variants that bias a token grid (``cosine``)
+    get the model's ``num_prefix_tokens`` (a timm ViT's class and register tokens), so an input whose
+    grid no longer matches is refused rather than biased at the wrong tokens. A model with no such layer (EVA, BEiT, Swin
+    and CaiT have attention classes of their own) is refused with a ValueError, not returned unchanged.
     """
     get_attention_class(name)  # fail on an unknown name before touching the model
     layers = attention_modules(model)
+    if not layers:
+        others = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "num_heads")})
+        found = f"its attention ({', '.join(others)}) is not one of them" if others else "it has no attention layers"
+        raise ValueError(
+            f"swap_attention({name!r}) found no attention layer to replace in this {type(model).__name__}: it "
+            f"replaces timm.layers.Attention (timm's VisionTransformer, DeiT) and visattn's modules, and {found}; "
+            "use such a model, or build one with the attention you want (timm.create_model('visattn_vit_...', attn=...))"
+        )
     fixed = sorted({type(m).__name__ for _, m in layers if not getattr(m, "swappable", True)})
     if fixed:
         raise ValueError(
@@ -105,11 +116,15 @@ def swap_attention(
         )
     depth = len(layers)
     layer_kwargs = expand_per_layer(name, kwargs, depth)
+    # a timm ViT's class and register tokens, for variants that bias a token grid behind them (cosine)
+    prefix = getattr(model, "num_prefix_tokens", None) if "num_prefix_tokens" in attention_keywords(name) else None
     reshaped: dict[str, str] = {}  # parameter -> "old shape -> new shape", for the warning below
     for idx, (path, old) in enumerate(layers):
         cfg = {**_timm_config(old), **layer_kwargs[idx], **_layer_kwargs(per_layer, idx, depth)}
         cfg.setdefault("layer_idx", idx)
         cfg.setdefault("depth", depth)
+        if prefix is not None:
+            cfg.setdefault("num_prefix_tokens", prefix)
         ref = old.qkv.weight
         new = build_attention(name, old.qkv.in_features, device=ref.device, dtype=ref.dtype, **cfg)
         own = new.state_dict()
