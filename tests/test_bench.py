@@ -134,3 +134,12 @@ def test_results_record_the_cpu_model_not_just_the_architecture(tmp_path, capsys
     assert meta["cpu"] == cpu_model()
     assert meta["cores"] == usable_cores()
     assert f"Machine: {cpu_model()}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--repeats", "0"), ("--threads", "0"), ("--warmup", "-1"), ("--repeats", "x")])
+def test_cli_refuses_counts_out_of_range_with_a_usage_error(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["attention", "--shapes", "2,5,16,4", flag, value])
+    assert exit_info.value.code == 2  # argparse's usage error, not a traceback from inside the bench
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and ("is below" in err or "is not an integer" in err)

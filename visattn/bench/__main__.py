@@ -17,6 +17,7 @@ import torch
 
 from visattn.attention import list_attentions
 from visattn.utils.allocator import tune_glibc_malloc
+from visattn.utils.checks import int_at_least
 from visattn.utils.machine import describe_machine, machine_line
 
 from .attention import Shape, run_attention_bench
@@ -29,9 +30,9 @@ DEFAULT_SHAPES = ["32,197,384,6", "32,256,768,12"]
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
-    p.add_argument("--repeats", type=int, default=10, help="timed rounds (median reported)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed rounds before timing")
+    p.add_argument("--repeats", type=int_at_least(1), default=10, help="timed rounds (median reported)")
+    p.add_argument("--threads", type=int_at_least(1), default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["mha", "moh-50", "moh-75", "moh-90"],
         help="first is the reference; mha, any registered name, or moh-<percent>",
     )
-    mod.add_argument("--batch", type=int, default=32)
+    mod.add_argument("--batch", type=int_at_least(1), default=32)
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     _common(mod)
     return parser.parse_args(argv)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from visattn.models.budgets import apply_budget
 from visattn.models.transnext import TransNeXt
 from visattn.models.transnext import checkpoint_filter_fn as transnext_checkpoint_filter_fn
 from visattn.utils.checkpoint import load_weights
+from visattn.utils.checks import require_count, require_positive
 
 from .amp import normalize_amp
 from .checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
@@ -71,17 +71,6 @@ def _check_path(key: str, value: Any, what: str) -> None:
         raise FileNotFoundError(f"{key}={value} does not exist; {what}")
 
 
-def _count(key: str, value: Any, minimum: int = 1, why: str = "") -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{key}={value!r} must be an integer >= {minimum}{why}")
-
-
-def _positive_number(key: str, value: Any, allow_zero: bool = False, fix: str = "") -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and (value >= 0 if allow_zero else value > 0)):
-        raise ValueError(f"{key}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}{fix}")
-
-
 def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
     """Check the composed config before any work; returns the model built on the meta device.
 
@@ -101,23 +90,23 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
         raise ValueError("device=cuda but CUDA is not available here; use device=cpu (or auto)")
     check_data_config(cfg.data)
     train = cfg.train
-    _count("train.epochs", train.epochs)
-    _count("train.batch_size", train.batch_size, why=" (the global batch)")
-    _count("train.eval_batch_size", train.eval_batch_size, why=" (per process)")
-    _count("train.eval_every", train.eval_every)
-    _count("train.max_nonfinite_steps", train.max_nonfinite_steps, minimum=0)
+    require_count("train.epochs", train.epochs)
+    require_count("train.batch_size", train.batch_size, why=" (the global batch)")
+    require_count("train.eval_batch_size", train.eval_batch_size, why=" (per process)")
+    require_count("train.eval_every", train.eval_every)
+    require_count("train.max_nonfinite_steps", train.max_nonfinite_steps, minimum=0)
     if train.stop_after_epoch is not None:
-        _count("train.stop_after_epoch", train.stop_after_epoch)
-    _positive_number("optim.lr", cfg.optim.lr)
-    _positive_number("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
-    _positive_number("train.aux_loss_weight", train.aux_loss_weight, allow_zero=True, fix=" (MoH: 0.01)")
+        require_count("train.stop_after_epoch", train.stop_after_epoch)
+    require_positive("optim.lr", cfg.optim.lr)
+    require_positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    require_positive("train.aux_loss_weight", train.aux_loss_weight, allow_zero=True, fix=" (MoH: 0.01)")
     if train.ema and not (isinstance(train.ema_decay, (int, float)) and 0.0 <= train.ema_decay <= 1.0):
         raise ValueError(f"train.ema_decay={train.ema_decay!r} must be in [0, 1] (e.g. 0.99996)")
     if train.clip_grad is not None:
-        _positive_number("train.clip_grad", train.clip_grad, fix="; null turns clipping off")
+        require_positive("train.clip_grad", train.clip_grad, fix="; null turns clipping off")
     normalize_amp(train.amp)
     for key in ("warmup_lr", "min_lr"):
-        _positive_number(f"sched.{key}", cfg.sched[key], allow_zero=True)
+        require_positive(f"sched.{key}", cfg.sched[key], allow_zero=True)
     if cfg.sched.warmup_epochs >= train.epochs and cfg.sched.warmup_epochs > 0:
         raise ValueError(
             f"sched.warmup_epochs={cfg.sched.warmup_epochs} leaves no epoch after warm-up "

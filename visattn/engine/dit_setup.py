@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from visattn.engine.amp import normalize_amp
 from visattn.metrics import GenerationScorer
 from visattn.models.budgets import apply_budget
 from visattn.models.dit import DiT, dit_preset_config
+from visattn.utils.checks import require, require_count, require_positive
 
 log = logging.getLogger(__name__)
 
@@ -100,22 +100,6 @@ def min_eval_samples() -> int:
     return max(2, k + 1)
 
 
-def _check(ok: bool, key: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{key}={value!r} {rule}")
-
-
-def _positive_number(key: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    _check(ok, key, value, f"must be a finite number {'>= 0' if allow_zero else '> 0'}")
-
-
-def _count(key: str, value: Any, minimum: int = 1, why: str = "") -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _check(ok, key, value, f"must be an integer >= {minimum}{why}")
-
-
 def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     train = cfg["train"]
     if train.get("grad_clip") is not None:  # the old spelling
@@ -125,20 +109,20 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
             raise ValueError(f"train.grad_clip={train['grad_clip']} and train.clip_grad={train['clip_grad']} "
                              "disagree; set only train.clip_grad")
         train["clip_grad"] = train["grad_clip"]
-    _count("train.steps", train["steps"])
-    _count("train.batch_size", train["batch_size"], why=" (the global batch)")
-    _check(train["batch_size"] % world_size == 0, "train.batch_size", train["batch_size"],
+    require_count("train.steps", train["steps"])
+    require_count("train.batch_size", train["batch_size"], why=" (the global batch)")
+    require(train["batch_size"] % world_size == 0, "train.batch_size", train["batch_size"],
            f"is not divisible by the {world_size} processes; use a multiple of {world_size}")
-    _positive_number("train.lr", train["lr"])
-    _positive_number("train.weight_decay", train["weight_decay"], allow_zero=True)
-    _positive_number("train.aux_loss_weight", train["aux_loss_weight"], allow_zero=True)
-    _check(isinstance(train["ema_decay"], (int, float)) and 0.0 <= train["ema_decay"] <= 1.0, "train.ema_decay",
+    require_positive("train.lr", train["lr"])
+    require_positive("train.weight_decay", train["weight_decay"], allow_zero=True)
+    require_positive("train.aux_loss_weight", train["aux_loss_weight"], allow_zero=True)
+    require(isinstance(train["ema_decay"], (int, float)) and 0.0 <= train["ema_decay"] <= 1.0, "train.ema_decay",
            train["ema_decay"], "must be in [0, 1] (DiT: 0.9999)")
     if train.get("clip_grad") is not None:
-        _positive_number("train.clip_grad", train["clip_grad"])
-    _count("train.max_nonfinite_steps", train["max_nonfinite_steps"], minimum=0)
-    _count("train.log_every", train["log_every"])
-    _count("train.ckpt_every", train["ckpt_every"])
+        require_positive("train.clip_grad", train["clip_grad"])
+    require_count("train.max_nonfinite_steps", train["max_nonfinite_steps"], minimum=0)
+    require_count("train.log_every", train["log_every"])
+    require_count("train.ckpt_every", train["ckpt_every"])
     train["amp"] = normalize_amp(train["amp"])
     if uses_vae(cfg) and not cfg["data"].get("latents"):
         raise ValueError(
@@ -149,32 +133,32 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
 
 def _check_sampling(cfg: dict[str, Any], in_channels: int, scoring: bool) -> None:
     sample, mode = cfg["sample"], cfg["mode"]
-    _count("sample.batch_size", sample["batch_size"], why=" (per process)")
+    require_count("sample.batch_size", sample["batch_size"], why=" (per process)")
     if mode == "sample":
-        _count("sample.num_samples", sample["num_samples"])
-    _count("sample.grid", sample["grid"], minimum=0)
-    _check(sample["sampler"] in SAMPLERS, "sample.sampler", sample["sampler"], f"is not known; use one of {SAMPLERS}")
-    _positive_number("sample.eta", sample["eta"], allow_zero=True)
+        require_count("sample.num_samples", sample["num_samples"])
+    require_count("sample.grid", sample["grid"], minimum=0)
+    require(sample["sampler"] in SAMPLERS, "sample.sampler", sample["sampler"], f"is not known; use one of {SAMPLERS}")
+    require_positive("sample.eta", sample["eta"], allow_zero=True)
     try:
         space_timesteps(int(cfg["diffusion"]["timesteps"]), sample["steps"])
     except ValueError as err:
         raise ValueError(f"sample.steps={sample['steps']!r}: {err}") from None
-    _positive_number("sample.cfg_scale", sample["cfg_scale"], allow_zero=True)
+    require_positive("sample.cfg_scale", sample["cfg_scale"], allow_zero=True)
     if sample["cfg_scale"] != 1.0:
-        _check(float(cfg["dit"]["class_dropout_prob"]) > 0, "sample.cfg_scale", sample["cfg_scale"],
+        require(float(cfg["dit"]["class_dropout_prob"]) > 0, "sample.cfg_scale", sample["cfg_scale"],
                "needs the null class, which a model trained with dit.class_dropout_prob=0 lacks; use cfg_scale=1")
     guided = sample.get("guided_channels")
     if guided is not None:
-        _check(isinstance(guided, int) and guided >= 1, "sample.guided_channels", guided,
+        require(isinstance(guided, int) and guided >= 1, "sample.guided_channels", guided,
                "must be null (every channel) or an integer >= 1 (DiT's sampler: 3)")
         if sample["cfg_scale"] != 1.0:
-            _check(guided <= in_channels, "sample.guided_channels", guided,
+            require(guided <= in_channels, "sample.guided_channels", guided,
                    f"exceeds the model's {in_channels} channels; set sample.guided_channels=null to guide them all")
     if scoring:
         need = min_eval_samples()
-        _count("eval.num_samples", cfg["eval"]["num_samples"], minimum=need,
+        require_count("eval.num_samples", cfg["eval"]["num_samples"], minimum=need,
                why=f" (FID needs 2, precision/recall more than k={need - 1} neighbours)")
-        _count("eval.head_load_images", cfg["eval"]["head_load_images"], minimum=0)
+        require_count("eval.head_load_images", cfg["eval"]["head_load_images"], minimum=0)
 
 
 def validate_dit_config(cfg: Mapping[str, Any], world_size: int = 1) -> dict[str, Any]:
@@ -184,13 +168,13 @@ def validate_dit_config(cfg: Mapping[str, Any], world_size: int = 1) -> dict[str
     (0 = unconditional, 1 = the conditional model with no guidance, as in DiT; > 1 guided)."""
     cfg = copy.deepcopy(dict(cfg))
     mode = cfg["mode"]
-    _check(mode in MODES, "mode", mode, f"is not known; use one of {MODES}")
-    _check(cfg["device"] in ("auto", "cpu", "cuda"), "device", cfg["device"], "is not known; use auto, cpu or cuda")
+    require(mode in MODES, "mode", mode, f"is not known; use one of {MODES}")
+    require(cfg["device"] in ("auto", "cpu", "cuda"), "device", cfg["device"], "is not known; use auto, cpu or cuda")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available here; use device=cpu (or auto)")
     resume = cfg.get("resume")
-    _check(resume in (True, False, "auto", None), "resume", resume, "must be auto, true or false")
-    _positive_number("seed", cfg["seed"], allow_zero=True)
+    require(resume in (True, False, "auto", None), "resume", resume, "must be auto, true or false")
+    require_positive("seed", cfg["seed"], allow_zero=True)
     geometry = model_geometry(cfg)  # also checks vae.name and the VAE's downsampling
     if mode in ("sample", "eval"):
         ckpt = cfg.get("ckpt")

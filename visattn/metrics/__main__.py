@@ -12,6 +12,7 @@ import json
 import logging
 
 from visattn.utils.allocator import tune_glibc_malloc
+from visattn.utils.checks import int_at_least
 
 from .extractor import EXTRACTOR_NAMES, build_extractor
 from .reference import load_samples
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extractor", default="inception", choices=EXTRACTOR_NAMES)
     parser.add_argument("--weights", default=None, help="extractor weights file (Inception: torch-fidelity's .pth)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int_at_least(1), default=64)
     parser.add_argument("--cache-dir", default=None, help="where domain extractors are cached (default $VISATTN_CACHE)")
     parser.add_argument("--data-root", default=None, help="dataset folder for training a domain extractor (fashion_mnist)")
     args = parser.parse_args(argv)
