@@ -425,3 +425,40 @@ def test_a_target_that_is_no_metric_is_refused_naming_it() -> None:
         check_targets({"dit": {"agreement": 0.8}})
     with pytest.raises(ValueError, match=r"task 'gen' has no quality metrics"):
         check_targets({"gen": {"fid": 3.0}})
+
+
+def test_timings_come_from_the_machine_that_ran_most_runs(tmp_path: Path) -> None:
+    """A study resumed on a faster CPU: throughput means over both machines would rank cells by where
+    their seeds ran. The cost table keeps the majority machine's timings and says what it left out."""
+    root = tmp_path / "runs"
+    fast = {"cpu": "Test CPU", "cpu_isa": "AVX512", "native_bf16": True, "cores": 2, "torch": "2.x"}
+    for cell, heads, slow_speed, fast_speed in (("mha", (8, 8), 400.0, 1000.0), ("moh-75", (6, 8), 200.0, 2000.0)):
+        for seed in range(4):
+            speed = fast_speed if seed == 3 else slow_speed
+            run = make_run(root, "cls", cell, seed, heads, {"top1": 0.85, "top5": 0.99, "top1_best": 0.85},
+                           train_images_per_s=speed, eval_images_per_s=speed, wall_time_s=1e5 / speed)
+            if seed == 3:
+                info = json.loads((run / "cell.json").read_text())
+                (run / "cell.json").write_text(json.dumps({**info, "machine": fast}))
+    report = write_report([root], tmp_path / "report").read_text()
+    cost = report.split("### Cost", 1)[1].split("###", 1)[0]
+    moh_row = next(line for line in cost.splitlines() if line.startswith("| moh-75 "))
+    assert "0.50× (200 img/s)" in moh_row  # slow machine only; both machines would give 1.18×
+    assert "500 s" in moh_row  # wall time from the same runs
+    assert "the 6 runs on Test CPU (2 usable cores)" in cost
+    assert "the other 2 run(s) ran on other machines" in cost
+    assert "- Runs' machine: Test CPU, AVX512, native bf16 (2 usable cores)" in report
+
+
+def test_machine_line_tells_cpus_of_one_name_apart_by_their_vector_units() -> None:
+    from visattn.utils.machine import describe_machine, machine_line
+
+    old = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.x"}  # recorded before cpu_isa existed
+    avx2 = {**old, "cpu_isa": "AVX2", "native_bf16": False}
+    avx512 = {**old, "cpu_isa": "AVX512", "native_bf16": True}
+    assert machine_line(old) == "AMD EPYC (2 usable cores), no GPU; torch 2.x"
+    assert machine_line(avx2) == "AMD EPYC, AVX2, no native bf16 (2 usable cores), no GPU; torch 2.x"
+    assert len({machine_line(old), machine_line(avx2), machine_line(avx512)}) == 3
+    import torch
+
+    assert describe_machine()["cpu_isa"] == torch.backends.cpu.get_cpu_capability()

@@ -14,7 +14,17 @@ from visattn.utils.machine import describe_machine, machine_line
 from . import plots
 from .convergence import ranking_check, ranking_sentence
 from .metrics import INFERENCE_THROUGHPUT, TASK_TITLES, headline_metric
-from .runs import SAMPLE_GRID, Cell, Run, find_run_dirs, group_cells, load_run, reference_cell
+from .runs import (
+    SAMPLE_GRID,
+    Cell,
+    Run,
+    find_run_dirs,
+    group_cells,
+    load_run,
+    reference_cell,
+    timing_machine,
+    timings_from,
+)
 from .stats import CONFIDENCE
 from .tables import (
     comparison_table,
@@ -84,13 +94,30 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
         "- sFID is reported only where both the samples and the reference hold at least 10 images per "
         "spatial feature dimension; otherwise its column gives the reason.",
         "- Throughput and peak memory were measured by each run on its machine; ratios are of the means "
-        "over seeds to the same task's MHA. A dash (—) means the runs did not measure it.",
+        "over seeds to the same task's MHA. Throughput and wall time come only from the runs on the "
+        "machine that ran most of the task (named under each cost table). A dash (—) means the runs did "
+        "not measure it.",
         "",
     ]
     return lines
 
 
+def _timing_note(cells: Sequence[Cell], machine: str | None) -> str | None:
+    runs = [run for cell in cells for run in cell.runs]
+    if machine is None:
+        return None
+    elsewhere = sum(run.machine != machine for run in runs)
+    note = f"Throughput and wall time: the {len(runs) - elsewhere} runs on {machine}"
+    if elsewhere:
+        note += (f"; the other {elsewhere} run(s) ran on other machines and are left out of those columns "
+                 "and of the throughput plot (CPUs differ in speed), not out of quality, FLOPs or memory")
+    return note + "."
+
+
 def _task_section(task: str, cells: list[Cell], out: Path, targets: Mapping[str, float] | None = None) -> list[str]:
+    machine = timing_machine(run for cell in cells for run in cell.runs)
+    timing_note = _timing_note(cells, machine)
+    cells = timings_from(cells, machine)
     reference = reference_cell(cells, task)
     lines = [f"## {TASK_TITLES.get(task, task)}", ""]
     if reference is None:
@@ -111,13 +138,15 @@ def _task_section(task: str, cells: list[Cell], out: Path, targets: Mapping[str,
                   "Paired by seed, Holm-corrected over this table.", "",
                   same_budget, ""]
     lines += ["### Cost", "", cost_table(cells, reference), ""]
+    if timing_note:
+        lines += [timing_note, ""]
     if task in INFERENCE_THROUGHPUT:
         lines += [f"Inference throughput here is the {INFERENCE_THROUGHPUT[task]}.", ""]
     metric = headline_metric(task)
     key = metric.key if metric else "quality"
     figures = [
         ("active heads", plots.quality_vs_heads(cells, reference, out / f"{task}_{key}_vs_active_heads.png")),
-        ("throughput", plots.quality_vs_throughput(cells, out / f"{task}_{key}_vs_throughput.png")),
+        ("throughput", plots.quality_vs_throughput(cells, out / f"{task}_{key}_vs_throughput.png", machine)),
         ("training curves", plots.training_curves(cells, out / f"{task}_training_curves.png")),
     ]
     lines += ["### Plots", ""]

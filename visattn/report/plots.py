@@ -46,8 +46,8 @@ def _machine_caption(cells: Sequence[Cell]) -> str:
     return "runs on: " + "; ".join(machines) if machines else "runs on: machine not recorded"
 
 
-def _save(fig, path: Path, cells: Sequence[Cell], caption_y: float = 0.0) -> Path:
-    fig.text(0.01, caption_y, _machine_caption(cells), fontsize=7, ha="left", va="top", color="0.35")
+def _save(fig, path: Path, cells: Sequence[Cell], caption_y: float = 0.0, caption: str | None = None) -> Path:
+    fig.text(0.01, caption_y, caption or _machine_caption(cells), fontsize=7, ha="left", va="top", color="0.35")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -107,8 +107,9 @@ def _pareto_front(points: list[tuple[float, float]], higher_is_better: bool) -> 
     return sorted(front)
 
 
-def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
-    """Headline metric against measured inference throughput, with the front of the means."""
+def quality_vs_throughput(cells: Sequence[Cell], path: Path, timing_machine: str | None = None) -> Path | None:
+    """Headline metric against measured inference throughput, with the front of the means.
+    ``timing_machine``: the one machine whose runs' timings the cells keep (``runs.timings_from``)."""
     task = cells[0].task
     metric = headline_metric(task)
     if metric is None:
@@ -119,8 +120,10 @@ def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
         y, x = _point(cell, metric.key, metric.scale), _point(cell, "eval_images_per_s")
         if y is None or x is None:
             continue
+        timed = len(cell.values("eval_images_per_s"))
+        seeds = f"n={len(cell.runs)}" if timed == len(cell.runs) else f"n={len(cell.runs)}, timed {timed}"
         ax.errorbar(x[0], y[0], xerr=x[1] or None, yerr=y[1] or None, capsize=4, linestyle="none",
-                    label=f"{cell.variant} (n={len(cell.runs)})", **_style(index))
+                    label=f"{cell.variant} ({seeds})", **_style(index))
         means.append((x[0], y[0]))
     if not means:
         plt.close(fig)
@@ -136,7 +139,8 @@ def quality_vs_throughput(cells: Sequence[Cell], path: Path) -> Path | None:
     )
     ax.grid(alpha=0.3)
     _legend_outside(ax)
-    return _save(fig, path, cells)
+    caption = f"throughput measured on: {timing_machine}" if timing_machine else None
+    return _save(fig, path, cells, caption=caption)
 
 
 def mean_curve(cell: Cell, x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -17,12 +17,15 @@ import logging
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from visattn.utils.machine import machine_line
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_DIR_OVERRIDE = re.compile(r"hydra\.run\.dir=\S+")
 # A generation run's grid of its first samples (written by visattn.engine.dit_sampling.save_samples).
 SAMPLE_GRID = "samples.png"
+# Results that depend on the machine's speed: comparable only between runs on one kind of machine.
+TIMING_KEYS = ("train_images_per_s", "eval_images_per_s", "wall_time_s", "cpu_share")
 # Attention kwargs that distinguish two variants with one registered name (ablations).
 DISTINGUISHING_KWARGS = ("two_stage", "router", "gate", "num_kv_heads")
 
@@ -75,6 +80,12 @@ class Run:
     @property
     def seed(self) -> Any:
         return self.results.get("seed")
+
+    @property
+    def machine(self) -> str | None:
+        """The line naming the machine the run ran on (cell.json), None when not recorded."""
+        info = self.cell_info.get("machine")
+        return machine_line(info) if info else None
 
     @property
     def command(self) -> str | None:
@@ -237,6 +248,29 @@ def group_cells(runs: Iterable[Run]) -> list[Cell]:
         key = (run.task, run.variant, run.budget)
         cells.setdefault(key, Cell(*key, runs=[])).runs.append(run)
     return sorted(cells.values(), key=lambda cell: cell.task)
+
+
+def timing_machine(runs: Iterable[Run]) -> str | None:
+    """The machine that ran the most of ``runs`` (ties: the first by name); None when none is recorded."""
+    counts = Counter(run.machine for run in runs if run.machine)
+    return min(counts, key=lambda machine: (-counts[machine], machine)) if counts else None
+
+
+def timings_from(cells: Iterable[Cell], machine: str | None) -> list[Cell]:
+    """The cells with their timing results (``TIMING_KEYS``) kept only for runs on ``machine``.
+
+    A study run in several sittings may land on different CPUs (an AVX2 and an AVX-512 machine differ
+    by ~1.5x here); a mean over both would rank cells by where their seeds happened to run. Quality,
+    parameters, FLOPs and memory do not depend on the CPU's speed and keep every run."""
+    if machine is None:
+        return list(cells)
+    kept = []
+    for cell in cells:
+        runs = [run if run.machine == machine else
+                replace(run, results={k: v for k, v in run.results.items() if k not in TIMING_KEYS})
+                for run in cell.runs]
+        kept.append(replace(cell, runs=runs))
+    return kept
 
 
 def reference_cell(cells: Iterable[Cell], task: str) -> Cell | None:
