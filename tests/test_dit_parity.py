@@ -52,6 +52,13 @@ def test_training_loss_terms_equal_released_dit(io):
         torch.testing.assert_close(terms[key], io[f"loss.{key}"].float(), rtol=1e-4, atol=1e-5, msg=key)
 
 
+# A whole sampling chain amplifies fp32 rounding, and CPUs round differently (AVX2 and AVX-512
+# kernels accumulate in other orders): on an AVX-512 EPYC one of 512 values differed from the
+# AVX2-built fixture by 4.5e-4. 2e-3 still sits well below the differences these tests tell apart
+# (guiding 3 channels or all, large or small posterior variance: > 1e-2).
+CHAIN_TOL = {"rtol": 2e-3, "atol": 2e-3}
+
+
 def _sample(diffusion, model_fn, io, noise_key):
     return denoise_loop(diffusion, model_fn, io["sample.z"], replay(io[noise_key]))
 
@@ -61,7 +68,7 @@ def test_guided_sampling_equals_dit_sampler_by_default(io):
     diffusion = GaussianDiffusion.linear(1000, learn_sigma=True).respace(STEPS)
     scale = float(io["sample.cfg_scale"])
     ours = _sample(diffusion, sampling_fn(model, io["sample.labels"], scale), io, "sample.cfg_noise")
-    torch.testing.assert_close(ours, io["sample.cfg3"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours, io["sample.cfg3"], **CHAIN_TOL)
     # the DiT quirk is a real difference: guiding every channel gives other samples
     assert (ours - io["sample.cfg_all"]).abs().max() > 1e-2
 
@@ -71,14 +78,14 @@ def test_guided_channels_none_guides_every_epsilon_channel(io):
     diffusion = GaussianDiffusion.linear(1000, learn_sigma=True).respace(STEPS)
     scale = float(io["sample.cfg_scale"])
     ours = _sample(diffusion, guided_fn(model, io["sample.labels"], scale, guided_channels=None), io, "sample.cfg_noise")
-    torch.testing.assert_close(ours, io["sample.cfg_all"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours, io["sample.cfg_all"], **CHAIN_TOL)
 
 
 def test_fixed_variance_samples_with_dit_fixed_large_variance(io):
     model = released_dit(learn_sigma=False)
     diffusion = GaussianDiffusion.linear(1000, learn_sigma=False).respace(STEPS)
     ours = _sample(diffusion, conditional_fn(model, io["sample.labels"]), io, "sample.fixed_noise")
-    torch.testing.assert_close(ours, io["sample.fixed"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours, io["sample.fixed"], **CHAIN_TOL)
     small = GaussianDiffusion.linear(1000, learn_sigma=False, sigma_small=True).respace(STEPS)
     other = _sample(small, conditional_fn(model, io["sample.labels"]), io, "sample.fixed_noise")
     assert (other - io["sample.fixed"]).abs().max() > 1e-2  # the posterior variance is another sampler
