@@ -112,12 +112,12 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     require_count("train.steps", train["steps"])
     require_count("train.batch_size", train["batch_size"], why=" (the global batch)")
     require(train["batch_size"] % world_size == 0, "train.batch_size", train["batch_size"],
-           f"is not divisible by the {world_size} processes; use a multiple of {world_size}")
+            f"is not divisible by the {world_size} processes; use a multiple of {world_size}")
     require_positive("train.lr", train["lr"])
     require_positive("train.weight_decay", train["weight_decay"], allow_zero=True)
     require_positive("train.aux_loss_weight", train["aux_loss_weight"], allow_zero=True)
     require(isinstance(train["ema_decay"], (int, float)) and 0.0 <= train["ema_decay"] <= 1.0, "train.ema_decay",
-           train["ema_decay"], "must be in [0, 1] (DiT: 0.9999)")
+            train["ema_decay"], "must be in [0, 1] (DiT: 0.9999)")
     if train.get("clip_grad") is not None:
         require_positive("train.clip_grad", train["clip_grad"])
     require_count("train.max_nonfinite_steps", train["max_nonfinite_steps"], minimum=0)
@@ -146,18 +146,18 @@ def _check_sampling(cfg: dict[str, Any], in_channels: int, scoring: bool) -> Non
     require_positive("sample.cfg_scale", sample["cfg_scale"], allow_zero=True)
     if sample["cfg_scale"] != 1.0:
         require(float(cfg["dit"]["class_dropout_prob"]) > 0, "sample.cfg_scale", sample["cfg_scale"],
-               "needs the null class, which a model trained with dit.class_dropout_prob=0 lacks; use cfg_scale=1")
+                "needs the null class, which a model trained with dit.class_dropout_prob=0 lacks; use cfg_scale=1")
     guided = sample.get("guided_channels")
     if guided is not None:
         require(isinstance(guided, int) and guided >= 1, "sample.guided_channels", guided,
-               "must be null (every channel) or an integer >= 1 (DiT's sampler: 3)")
+                "must be null (every channel) or an integer >= 1 (DiT's sampler: 3)")
         if sample["cfg_scale"] != 1.0:
             require(guided <= in_channels, "sample.guided_channels", guided,
-                   f"exceeds the model's {in_channels} channels; set sample.guided_channels=null to guide them all")
+                    f"exceeds the model's {in_channels} channels; set sample.guided_channels=null to guide them all")
     if scoring:
         need = min_eval_samples()
         require_count("eval.num_samples", cfg["eval"]["num_samples"], minimum=need,
-               why=f" (FID needs 2, precision/recall more than k={need - 1} neighbours)")
+                      why=f" (FID needs 2, precision/recall more than k={need - 1} neighbours)")
         require_count("eval.head_load_images", cfg["eval"]["head_load_images"], minimum=0)
 
 
