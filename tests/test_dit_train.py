@@ -17,6 +17,7 @@ from visattn.engine.dit_sampling import agreement_labels, all_labels
 from visattn.engine.dit_setup import sample_settings
 from visattn.engine.dit_trainer import run
 from visattn.models.vae import load_sd_vae
+from visattn.utils.machine import usable_cores
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 TINY_MODEL = [
@@ -103,7 +104,9 @@ def test_train_end_eval_scores_class_agreement_and_active_head_flops(tmp_path):
     assert on_disk["sfid"] is None and "left out" in on_disk["sfid_note"]  # 8 samples: far too few for sFID
     # The executed (eval) path may already skip heads; the active-head count never exceeds it.
     assert 0 < on_disk["active_head_flops_per_image"] <= on_disk["flops_per_image"]
-    assert on_disk["cpu_time_s"] > 0 and 0 < on_disk["cpu_share"] <= 1.5
+    # CPU seconds over wall x torch threads: threads outside torch's pool (the loader, BLAS of the
+    # scorer) can lift it above 1, never above the cores there are (1.6 seen on 2 cores, 1 thread).
+    assert on_disk["cpu_time_s"] > 0 and 0 < on_disk["cpu_share"] <= 1.05 * usable_cores()
     with np.load(tmp_path / "samples.npz") as f:
         assert f["arr_0"].shape[0] == 8
         np.testing.assert_array_equal(f["arr_1"], all_labels(sample_settings(cfg), 8, 10))
