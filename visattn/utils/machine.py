@@ -1,4 +1,5 @@
-"""Describe a machine (the one a run, study or benchmark ran on): CPU model, core count, torch version, GPU if any."""
+"""Describe a machine (the one a run, study or benchmark ran on): CPU model and vector ISA, native bf16,
+core count, torch version, GPU if any."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from pathlib import Path
 import torch
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key`` entry of /proc/cpuinfo (Linux), None elsewhere or when absent."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_isa() -> str:
@@ -26,14 +32,8 @@ def cpu_isa() -> str:
 def native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 is emulated,
     ~20x slower than fp32."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return False
-    for line in cpuinfo.read_text(errors="replace").splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    flags = set((_cpuinfo("flags") or "").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def usable_cores() -> int:
@@ -43,9 +43,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def describe_machine() -> dict[str, str | int]:
+def describe_machine() -> dict[str, str | int | bool]:
     """A JSON-able description of this machine."""
-    info: dict[str, str | int] = {
+    info: dict[str, str | int | bool] = {
         "cpu": cpu_model(),
         "cpu_isa": cpu_isa(),
         "native_bf16": native_bf16(),
@@ -59,7 +59,7 @@ def describe_machine() -> dict[str, str | int]:
     return info
 
 
-def machine_line(info: dict[str, str | int]) -> str:
+def machine_line(info: dict[str, str | int | bool]) -> str:
     """One line naming the machine; two CPUs with one model name but different vector units (an AVX2
     and an AVX-512 EPYC) get different lines. Descriptions written before ``cpu_isa`` was recorded
     leave it out."""
