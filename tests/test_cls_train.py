@@ -319,3 +319,18 @@ def test_evaluation_record_rides_along_the_checkpoint_and_names_the_fix_when_alt
     (found.path / EVALUATION).write_text('{"step": 3')
     with pytest.raises(ValueError, match=r"evaluation.json is not a JSON evaluation record.*delete it"):
         found.evaluation()
+
+
+def test_amp_auto_times_the_classifier_without_touching_the_training(tmp_path, monkeypatch):
+    """As for DiT: the probe of train.amp=auto runs the model's own step and leaves training as it was."""
+    from visattn.engine import amp
+
+    short = ["train.epochs=1", "sched.warmup_epochs=0"]
+    run_cls(cfg_of(*short, "train.amp=none"), tmp_path / "none")
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    monkeypatch.setattr(amp, "BF16_MARGIN", 1e9)
+    probed = run_cls(cfg_of(*short, "train.amp=auto"), tmp_path / "auto")
+    assert probed["amp"] == "none" and "this model's training step measured" in probed["amp_reason"]
+    rows = [list(csv.DictReader((tmp_path / name / "metrics.csv").open())) for name in ("none", "auto")]
+    assert len(rows[0]) == len(rows[1]) == 1
+    assert [(r["loss"], r["top1"]) for r in rows[0]] == [(r["loss"], r["top1"]) for r in rows[1]]

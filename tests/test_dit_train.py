@@ -270,3 +270,22 @@ def test_class_agreement_needs_the_datas_own_classifier(caplog):
     assert "eval.extractor=digits classifies digits images, not data=fashion_mnist" in caplog.text
     folder = config("data=imagefolder", "data.root=/data")
     assert agreement_labels(folder, labels) is None  # Inception names ImageNet's classes, not the folder's
+
+
+def test_amp_auto_times_the_model_without_touching_the_training(tmp_path, monkeypatch, caplog):
+    """On a CPU whose matmul probe favours bf16, train.amp=auto times the run's own training step;
+    the probe draws from no stream of the run, so the run trains exactly as with amp=none."""
+    from visattn.engine import amp
+
+    plain = run(config("train.steps=3", "train.amp=none", *TINY_MODEL), tmp_path / "none")
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    monkeypatch.setattr(amp, "BF16_MARGIN", 1e9)  # the probe runs, and fp32 wins whatever it measures
+    with caplog.at_level(logging.INFO):
+        probed = run(config("train.steps=3", "train.amp=auto", *TINY_MODEL), tmp_path / "auto")
+    assert probed["amp"] == "none" and "this model's training step measured" in probed["amp_reason"]
+    a, b = latest_checkpoint(tmp_path / "none"), latest_checkpoint(tmp_path / "auto")
+    for key, value in a.weights("model.safetensors").items():
+        assert torch.equal(value, b.weights("model.safetensors")[key]), key
+    losses = [(tmp_path / name / "metrics.csv").read_text().splitlines() for name in ("none", "auto")]
+    assert [row.split(",")[2] for row in losses[0]] == [row.split(",")[2] for row in losses[1]]
+    assert plain["amp_reason"] == "train.amp=none"

@@ -131,6 +131,52 @@ def test_amp_auto_follows_the_cpu_probe_and_is_recorded(monkeypatch, caplog):
         amp.normalize_amp("fp16")
 
 
+def _sleepy_probe(slow_in_bf16: bool, calls: list[bool]):
+    """A StepProbe whose step is slow (20 ms) in one precision: stands in for a model whose speed
+    differs between fp32 and bf16 at its own shapes."""
+    import time
+
+    from visattn.engine.amp import StepProbe
+
+    model = nn.Linear(4, 4)
+
+    def loss() -> torch.Tensor:
+        bf16 = torch.is_autocast_enabled("cpu")
+        calls.append(bf16)
+        time.sleep(0.02 if bf16 == slow_in_bf16 else 0.0)
+        return model(torch.randn(2, 4)).square().mean()
+
+    return StepProbe(model, loss)
+
+
+@pytest.mark.parametrize("slow_in_bf16", [True, False])
+def test_amp_auto_lets_the_models_own_step_overrule_a_favourable_matmul(monkeypatch, slow_in_bf16):
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    calls: list[bool] = []
+    probe = _sleepy_probe(slow_in_bf16, calls)
+    rng = torch.get_rng_state()
+    choice = amp.choose_amp("auto", torch.device("cpu"), probe)
+    assert choice.dtype == (None if slow_in_bf16 else torch.bfloat16)
+    assert "training step measured" in choice.reason and " ms in bf16 vs " in choice.reason
+    assert True in calls and False in calls
+    # the probe leaves no trace: torch's RNG where it was, no gradients left behind
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in probe.model.parameters())
+
+
+def test_amp_auto_skips_the_model_probe_where_bf16_matmuls_are_slow(monkeypatch):
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: False)
+    calls: list[bool] = []
+    choice = amp.choose_amp("auto", torch.device("cpu"), _sleepy_probe(False, calls))
+    assert choice.dtype is None and "matmul measured slower" in choice.reason and calls == []
+    calls.clear()
+    assert amp.choose_amp("none", torch.device("cpu"), _sleepy_probe(False, calls)).dtype is None and calls == []
+
+
 def test_cpu_bf16_probe_is_quick_and_cached():
     import time
 

@@ -34,7 +34,7 @@ from visattn.data.registry import class_names
 from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
 from visattn.utils.flops import active_head_flops
 
-from .amp import choose_amp
+from .amp import StepProbe, choose_amp
 from .checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
@@ -110,8 +110,6 @@ class ClsRun:
         self.device = dist_info.device
         self.run_dir = ctx.run_dir
         self.stop = ctx.stop
-        self.amp = choose_amp(cfg.train.amp, self.device)
-        self.amp_dtype = self.amp.dtype
         self.clock = RunClock()  # every process of this run, across resumes (in the checkpoints)
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
@@ -133,6 +131,20 @@ class ClsRun:
             eval_batch_size=cfg.train.eval_batch_size, pin_memory=self.device.type == "cuda",
         )
         self.classes = _class_names(self.val_set) or class_names(cfg.data.name, cfg.data.num_classes)
+        self.amp = choose_amp(cfg.train.amp, self.device, self._step_probe())
+        self.amp_dtype = self.amp.dtype
+
+    def _step_probe(self) -> StepProbe:
+        """A training step (evaluation: a forward pass) of this model on random images of the run's
+        per-process batch shape, for ``train.amp=auto`` to time (its own generator: the run's random
+        streams are left as they are)."""
+        cfg, training = self.cfg, self.cfg.mode == "train"
+        batch = self.train_loader.batch_size if training else self.val_loader.batch_size
+        gen = torch.Generator().manual_seed(0)
+        size = cfg.data.image_size
+        images = torch.randn(batch, cfg.data.in_chans, size, size, generator=gen).to(self.device)
+        labels = torch.randint(0, cfg.data.num_classes, (batch,), generator=gen).to(self.device)
+        return StepProbe(self.model, lambda: nn.functional.cross_entropy(self.model(images), labels), backward=training)
 
     def _autocast(self):
         return self.amp.autocast(self.device)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 import visattn
 from visattn.data.registry import class_names
 from visattn.diffusion import GaussianDiffusion, conditional_fn
-from visattn.engine.amp import choose_amp
+from visattn.engine.amp import StepProbe, choose_amp
 from visattn.engine.checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
@@ -160,12 +160,13 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
             results["fid_step0"] = scores["fid"]
             log.info("step 0: FID %.2f", scores["fid"])
 
-    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
-        if dist.distributed else model
     model.train()
     total_steps = int(tcfg["steps"])
     aux_weight = float(tcfg["aux_loss_weight"])
-    amp = choose_amp(tcfg["amp"], dist.device)
+    amp = choose_amp(tcfg["amp"], dist.device, step_probe(model, diffusion, data.sample_shape,
+                                                          global_batch // dist.world_size, aux_weight, dist.device))
+    ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
+        if dist.distributed else model
     autocast = amp.autocast(dist.device)
     gate = StepGate(guard, stop, dist.device)
     stream = iter(batches)
@@ -239,6 +240,21 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
 
 
 @torch.no_grad()
+def step_probe(model: nn.Module, diffusion: GaussianDiffusion, sample_shape, batch: int, aux_weight: float,
+               device: torch.device) -> StepProbe:
+    """A training step of ``model`` on random samples of the run's per-process batch shape, for
+    ``train.amp=auto`` to time (its own generator: the run's random streams are left as they are)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, *sample_shape, generator=gen).to(device)
+    y = torch.randint(0, model.num_classes, (batch,), generator=gen).to(device)
+    t = torch.randint(0, diffusion.num_timesteps, (batch,), generator=gen).to(device)
+
+    def loss() -> torch.Tensor:
+        return diffusion.training_losses(conditional_fn(model, y), x, t)["loss"].mean() + aux_weight * visattn.aux_loss(model)
+
+    return StepProbe(model, loss)
+
+
 def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg: Mapping[str, Any], dist: DistInfo):
     """``head_load.json`` content: per layer and class, the fraction of tokens that used each head,
     over the first ``eval.head_load_images`` training examples noised at seeded random steps."""
