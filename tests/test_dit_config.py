@@ -65,6 +65,8 @@ def test_every_study_dit_run_validates(tmp_path):
         (["sample.guided_channels=0"], r"sample.guided_channels=0 must be null \(every channel\) or an integer"),
         (["sample.cfg_scale=1.5", "sample.guided_channels=3"], r"sample.guided_channels=3 exceeds the model's 1 channels; set .*=null"),
         (["train.amp=fp16"], r"train.amp='fp16' is not known"),
+        (["sched.name=linear"], r"sched.name='linear' is not known; use one of cosine\|constant"),
+        (["sched=cosine", "sched.warmup_epochs=-1"], r"sched.warmup_epochs=-1 must be a finite number >= 0"),
         (["mode=eval"], r"mode=eval needs ckpt=PATH"),
         (["resume=maybe"], r"resume='maybe' must be auto, true or false"),
         (["dit.preset=DiT-Q/2"], r"DiT-Q/2"),

@@ -189,6 +189,22 @@ def test_bad_settings_fail_clearly(tmp_path):
         run(config("mode=sample", *TINY_MODEL), tmp_path)
 
 
+def test_sched_sets_the_lr_of_every_step_and_refuses_a_warmup_longer_than_training(tmp_path):
+    """The classification vocabulary: warm-up in epochs of the training set, then cosine to min_lr;
+    a row of metrics.csv logs the lr of the step it follows."""
+    run(config("train.steps=4", "train.lr=1e-3", "sched=cosine", "sched.warmup_epochs=0", "sched.min_lr=0",
+               *TINY_MODEL), tmp_path / "cosine")
+    rows = list(csv.DictReader((tmp_path / "cosine" / "metrics.csv").open()))
+    expected = [0.5e-3 * (1 + np.cos(np.pi * step / 4)) for step in range(4)]
+    np.testing.assert_allclose([float(r["lr"]) for r in rows], expected, rtol=1e-6)
+    constant = run(config("train.steps=2", "train.lr=1e-3", *TINY_MODEL), tmp_path / "constant")
+    assert constant["config"]["sched"]["name"] == "constant"  # DiT's own recipe by default
+    assert {float(r["lr"]) for r in csv.DictReader((tmp_path / "constant" / "metrics.csv").open())} == {1e-3}
+    with pytest.raises(ValueError, match=r"sched.warmup_epochs=1 is \d+ steps of \d+ images at batch 8, "
+                                         r"no fewer than train.steps=4; lower it"):
+        run(config("train.steps=4", "sched=cosine", "sched.warmup_epochs=1", *TINY_MODEL), tmp_path / "warm")
+
+
 def test_resume_with_scoring_continues_exactly(tmp_path):
     """A run that scores its samples (eval.enabled, the default) builds its scorer, whose extractor's
     initialisation draws from torch's generator, before the checkpoint's RNG is restored: the resumed

@@ -18,6 +18,7 @@ from visattn.diffusion import GaussianDiffusion
 from visattn.diffusion.sampling import SAMPLERS
 from visattn.diffusion.schedule import space_timesteps
 from visattn.engine.amp import normalize_amp
+from visattn.engine.optim import SCHEDULES
 from visattn.metrics import GenerationScorer
 from visattn.models.budgets import apply_budget
 from visattn.models.dit import DiT, dit_preset_config
@@ -124,6 +125,10 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     require_count("train.log_every", train["log_every"])
     require_count("train.ckpt_every", train["ckpt_every"])
     train["amp"] = normalize_amp(train["amp"])
+    sched = cfg["sched"]
+    require(sched["name"] in SCHEDULES, "sched.name", sched["name"], f"is not known; use one of {'|'.join(SCHEDULES)}")
+    for key in ("warmup_epochs", "warmup_lr", "min_lr"):
+        require_positive(f"sched.{key}", sched[key], allow_zero=True)
     if uses_vae(cfg) and not cfg["data"].get("latents"):
         raise ValueError(
             "vae=sd trains on a latent cache: set data.latents=DIR (create it with "

@@ -1,5 +1,5 @@
-"""DiT training loop (``mode=train``): AdamW at a constant lr, EMA, hybrid diffusion loss + beta *
-MoH load-balancing loss, DDP under torchrun, the non-finite guard, checkpoints (``checkpoints``),
+"""DiT training loop (``mode=train``): AdamW at a constant lr (DiT's; or ``sched``), EMA, hybrid
+diffusion loss + beta * MoH load-balancing loss, DDP under torchrun, the non-finite guard, checkpoints (``checkpoints``),
 preemption, then head load and the final sampling + scoring with the EMA model.
 """
 
@@ -42,6 +42,7 @@ from visattn.engine.ema import ModelEMA, unwrap_model
 from visattn.engine.guard import NonFiniteGuard, cause_hint, require_finite
 from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from visattn.engine.launch import seed_everything
+from visattn.engine.optim import WarmupSchedule
 from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
     RunClock,
@@ -133,6 +134,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     if global_batch % dist.world_size:
         raise ValueError(f"train.batch_size={global_batch} is not divisible by the {dist.world_size} processes")
     batches = EpochBatches(len(data), global_batch // dist.world_size, dist, seed)
+    schedule = lr_schedule(cfg, len(data))
     info = run_info(model, cfg, dist)
     log.info("%s: %.2fM parameters, %d/%d heads active, %d training images",
              cfg["dit"]["preset"], info["params"] / 1e6, *info["active_heads"], len(data))
@@ -180,6 +182,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
             x, y = data.batch(next(stream))
             x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
             t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
+            schedule.apply(opt, step)
             with autocast:
                 terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
                 diffusion_loss = terms["loss"].mean()
@@ -240,6 +243,19 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
 
 
 @torch.no_grad()
+def lr_schedule(cfg: Mapping[str, Any], num_images: int) -> WarmupSchedule:
+    """``sched`` (the classification vocabulary: warm-up in epochs of the training set, then
+    constant or cosine to ``min_lr``) over ``train.steps`` updates at ``train.lr``."""
+    sched, steps = cfg["sched"], int(cfg["train"]["steps"])
+    steps_per_epoch = num_images / int(cfg["train"]["batch_size"])
+    warmup = round(float(sched["warmup_epochs"]) * steps_per_epoch)
+    if warmup >= steps and warmup > 0:
+        raise ValueError(f"sched.warmup_epochs={sched['warmup_epochs']} is {warmup} steps of {num_images} images "
+                         f"at batch {cfg['train']['batch_size']}, no fewer than train.steps={steps}; lower it")
+    return WarmupSchedule(float(cfg["train"]["lr"]), steps, warmup, float(sched["warmup_lr"]),
+                          float(sched["min_lr"]), sched["name"])
+
+
 def step_probe(model: nn.Module, diffusion: GaussianDiffusion, sample_shape, batch: int, aux_weight: float,
                device: torch.device) -> StepProbe:
     """A training step of ``model`` on random samples of the run's per-process batch shape, for
