@@ -63,8 +63,9 @@ class PixelData:
     def __init__(self, images: np.ndarray, labels: np.ndarray, flip: bool = True) -> None:
         if images.dtype != np.uint8 or images.ndim != 4 or len(images) != len(labels):
             raise ValueError(f"images must be uint8 [N, H, W, C] with one label each; got {images.shape}, {labels.shape}")
-        self.images = torch.from_numpy(np.ascontiguousarray(images))
-        self.labels = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        # a read-only array (a memory map, a cached dataset) is copied: torch warns that sharing it is unsafe
+        self.images = torch.from_numpy(np.require(images, requirements=["C", "W"]))
+        self.labels = torch.from_numpy(np.require(labels, dtype=np.int64, requirements=["C", "W"]))
         self.flip = flip
 
     def __len__(self) -> int:
