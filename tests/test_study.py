@@ -223,11 +223,15 @@ def test_runner_refuses_run_dirs_of_another_recipe(tmp_path: Path) -> None:
     from visattn.study.runner import check_run_dirs
 
     run_dir = tmp_path / "runs" / "cls" / "00_mha" / "seed0"
-    spec = RunSpec("cls", "mha", 0, run_dir, "train_cls.py", ("train.epochs=6", "seed=0"))
+    spec = RunSpec("cls", "mha", 0, run_dir, "train_cls.py", ("train.epochs=6", "seed=0", f"hydra.run.dir={run_dir}"))
     check_run_dirs([spec])  # nothing there yet
     run_dir.mkdir(parents=True)
     (run_dir / "cell.json").write_text(json.dumps({"command": spec.command}))
     check_run_dirs([spec])  # the same recipe: resumable
+    # ... also after the study folder was moved: the run dir is where a run is, not what it computes
+    moved = "python train_cls.py train.epochs=6 seed=0 hydra.run.dir=old/place/runs/cls/00_mha/seed0"
+    (run_dir / "cell.json").write_text(json.dumps({"command": moved}))
+    check_run_dirs([spec])
     (run_dir / "cell.json").write_text(json.dumps({"command": "python train_cls.py train.epochs=2 seed=0"}))
     with pytest.raises(ValueError, match="another recipe") as err:
         check_run_dirs([spec])

@@ -32,6 +32,7 @@ class RunSpec:
     entry: str
     overrides: tuple[str, ...]
     core: bool = False  # a core cell (conf/study/cells.yaml): the report checks their ranking
+    run_dir_key: str = "hydra.run.dir"  # the override that names run_dir (conf/study/tasks.yaml)
 
     def argv(self, python: str) -> list[str]:
         return [python, str(REPO_ROOT / self.entry), *self.overrides]
@@ -40,6 +41,13 @@ class RunSpec:
     def command(self) -> str:
         """The command line as a user would type it from the repository root."""
         return shlex.join(["python", self.entry, *self.overrides])
+
+
+def recipe_of(command: str, run_dir_key: str) -> list[str]:
+    """A run's command line without its run dir (the ``run_dir_key`` override): what the run
+    computes. Commands that differ only in the folder are one recipe, so a study folder that was
+    moved or renamed stays resumable."""
+    return [arg for arg in shlex.split(command) if override_key(arg) != run_dir_key]
 
 
 def format_override(key: str, value: Any) -> str:
@@ -167,5 +175,5 @@ def plan_runs(
                     *(extra_overrides or {}).get(task, ()),
                 ]
                 specs.append(RunSpec(task, cell["name"], int(seed), run_dir, task_cfg["entry"], merge_overrides(overrides),
-                                     core=bool(cell.get("core"))))
+                                     core=bool(cell.get("core")), run_dir_key=keys["run_dir"]))
     return sorted(specs, key=lambda spec: spec.seed)  # stable: task and cell order kept within a seed

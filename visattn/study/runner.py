@@ -30,7 +30,7 @@ from visattn.report.runs import run_completed
 from visattn.report.targets import Targets
 from visattn.utils.machine import describe_machine
 
-from .plan import REPO_ROOT, RunSpec
+from .plan import REPO_ROOT, RunSpec, recipe_of
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ def run_one(spec: RunSpec, profile: str, timeout_s: float | None, python: str = 
 
 def check_run_dirs(specs: Sequence[RunSpec]) -> None:
     """Refuse to resume into run dirs that hold a run of another recipe: keeping such a run as
-    "finished" would mix two studies in one report. Raises ValueError naming the dir and the fix."""
+    "finished" would mix two studies in one report. Raises ValueError naming the dir and the fix.
+    The run dir itself is not part of the recipe (``recipe_of``)."""
     for spec in specs:
         cell = spec.run_dir / "cell.json"
         if not cell.is_file():
@@ -85,7 +86,7 @@ def check_run_dirs(specs: Sequence[RunSpec]) -> None:
             recorded = json.loads(cell.read_text()).get("command")
         except (OSError, ValueError) as err:
             raise ValueError(f"{cell} is unreadable ({err}); delete {spec.run_dir} to run it again") from None
-        if recorded is not None and recorded != spec.command:
+        if recorded is not None and recipe_of(recorded, spec.run_dir_key) != recipe_of(spec.command, spec.run_dir_key):
             raise ValueError(
                 f"{spec.run_dir} holds a run of another recipe:\n  recorded: {recorded}\n  planned:  {spec.command}\n"
                 f"give this study another --out, or move that study's folder away"
