@@ -92,7 +92,6 @@ class StepProbe:
                 times.append(time.perf_counter() - t0)
                 if times[-1] > give_up_after:
                     return times[-1]
-        self.model.zero_grad(set_to_none=True)
         return min(times[1:])
 
     def _step(self, dtype: torch.dtype | None) -> None:

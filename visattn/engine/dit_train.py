@@ -1,6 +1,7 @@
 """DiT training loop (``mode=train``): AdamW at a constant lr (DiT's; or ``sched``), EMA, hybrid
-diffusion loss + beta * MoH load-balancing loss, DDP under torchrun, the non-finite guard, checkpoints (``checkpoints``),
-preemption, then head load and the final sampling + scoring with the EMA model.
+diffusion loss + beta * MoH load-balancing loss, DDP under torchrun, the non-finite guard,
+checkpoints (``checkpoints``), preemption, then head load and the final sampling + scoring with
+the EMA model.
 """
 
 from __future__ import annotations
@@ -242,7 +243,6 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     return results
 
 
-@torch.no_grad()
 def lr_schedule(cfg: Mapping[str, Any], num_images: int) -> WarmupSchedule:
     """``sched`` (the classification vocabulary: warm-up in epochs of the training set, then
     constant or cosine to ``min_lr``) over ``train.steps`` updates at ``train.lr``."""
@@ -271,6 +271,7 @@ def step_probe(model: nn.Module, diffusion: GaussianDiffusion, sample_shape, bat
     return StepProbe(model, loss)
 
 
+@torch.no_grad()
 def measure_head_load(model: nn.Module, data, diffusion: GaussianDiffusion, cfg: Mapping[str, Any], dist: DistInfo):
     """``head_load.json`` content: per layer and class, the fraction of tokens that used each head,
     over the first ``eval.head_load_images`` training examples noised at seeded random steps."""
