@@ -136,15 +136,20 @@ class ClsRun:
 
     def _step_probe(self) -> StepProbe:
         """A training step (evaluation: a forward pass) of this model on random images of the run's
-        per-process batch shape, for ``train.amp=auto`` to time (its own generator: the run's random
-        streams are left as they are)."""
+        per-process batch shape, for ``train.amp=auto`` to time. The batch is drawn when the probe
+        runs (only ``auto`` on CPU does), from its own generator: the run's random streams are left
+        as they are."""
         cfg, training = self.cfg, self.cfg.mode == "train"
         batch = self.train_loader.batch_size if training else self.val_loader.batch_size
-        gen = torch.Generator().manual_seed(0)
         size = cfg.data.image_size
-        images = torch.randn(batch, cfg.data.in_chans, size, size, generator=gen).to(self.device)
-        labels = torch.randint(0, cfg.data.num_classes, (batch,), generator=gen).to(self.device)
-        return StepProbe(self.model, lambda: nn.functional.cross_entropy(self.model(images), labels), backward=training)
+
+        def loss() -> torch.Tensor:
+            gen = torch.Generator().manual_seed(0)
+            images = torch.randn(batch, cfg.data.in_chans, size, size, generator=gen).to(self.device)
+            labels = torch.randint(0, cfg.data.num_classes, (batch,), generator=gen).to(self.device)
+            return nn.functional.cross_entropy(self.model(images), labels)
+
+        return StepProbe(self.model, loss, backward=training)
 
     def _autocast(self):
         return self.amp.autocast(self.device)

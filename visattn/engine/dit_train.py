@@ -259,13 +259,14 @@ def lr_schedule(cfg: Mapping[str, Any], num_images: int) -> WarmupSchedule:
 def step_probe(model: nn.Module, diffusion: GaussianDiffusion, sample_shape, batch: int, aux_weight: float,
                device: torch.device) -> StepProbe:
     """A training step of ``model`` on random samples of the run's per-process batch shape, for
-    ``train.amp=auto`` to time (its own generator: the run's random streams are left as they are)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, *sample_shape, generator=gen).to(device)
-    y = torch.randint(0, model.num_classes, (batch,), generator=gen).to(device)
-    t = torch.randint(0, diffusion.num_timesteps, (batch,), generator=gen).to(device)
+    ``train.amp=auto`` to time. The batch is drawn when the probe runs (only ``auto`` on CPU does),
+    from its own generator: the run's random streams are left as they are."""
 
     def loss() -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, *sample_shape, generator=gen).to(device)
+        y = torch.randint(0, model.num_classes, (batch,), generator=gen).to(device)
+        t = torch.randint(0, diffusion.num_timesteps, (batch,), generator=gen).to(device)
         return diffusion.training_losses(conditional_fn(model, y), x, t)["loss"].mean() + aux_weight * visattn.aux_loss(model)
 
     return StepProbe(model, loss)
