@@ -334,3 +334,21 @@ def test_amp_auto_times_the_classifier_without_touching_the_training(tmp_path, m
     rows = [list(csv.DictReader((tmp_path / name / "metrics.csv").open())) for name in ("none", "auto")]
     assert len(rows[0]) == len(rows[1]) == 1
     assert [(r["loss"], r["top1"]) for r in rows[0]] == [(r["loss"], r["top1"]) for r in rows[1]]
+
+
+def test_a_resumed_run_keeps_the_precision_auto_chose_at_its_start(tmp_path, monkeypatch):
+    """As for DiT: the checkpoint records auto's choice and a resume takes it without probing."""
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    monkeypatch.setattr(amp, "BF16_MARGIN", 1e9)  # fp32 wins at the start
+    first = run_cls(cfg_of("train.stop_after_epoch=1", "train.amp=auto"), tmp_path)
+    assert latest_checkpoint(tmp_path).state()["amp"] == {"amp": "none", "amp_reason": first["amp_reason"]}
+
+    def no_probe():
+        raise AssertionError("a resumed run probed bf16 again")
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", no_probe)
+    resumed = run_cls(cfg_of("resume=true", "train.amp=auto"), tmp_path)
+    assert resumed["completed"] is True
+    assert (resumed["amp"], resumed["amp_reason"]) == ("none", first["amp_reason"])

@@ -24,8 +24,8 @@ TINY_MODEL = [
     "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "eval.enabled=false",
     "sample.steps=4", "sample.num_samples=3", "sample.grid=3",
-    # one precision in every process: under auto a resumed process re-decides, and for a model this
-    # small its timed bf16 vs fp32 step can fall either side of the margin (see engine.amp)
+    # runs compared bit for bit train in one precision: under auto each run's probe decides, and for a
+    # model this small its timed bf16 vs fp32 step can fall either side of the margin (see engine.amp)
     "train.amp=none",
 ]
 
@@ -308,3 +308,24 @@ def test_amp_auto_times_the_model_without_touching_the_training(tmp_path, monkey
     losses = [(tmp_path / name / "metrics.csv").read_text().splitlines() for name in ("none", "auto")]
     assert [row.split(",")[2] for row in losses[0]] == [row.split(",")[2] for row in losses[1]]
     assert plain["amp_reason"] == "train.amp=none"
+
+
+def test_a_resumed_run_keeps_the_precision_auto_chose_at_its_start(tmp_path, monkeypatch):
+    """A resume does not probe again: the checkpoint's choice holds, even where a probe now would
+    choose the other precision."""
+    from visattn.engine import amp
+
+    auto = [*TINY_MODEL, "train.amp=auto", "train.ckpt_every=2"]
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    monkeypatch.setattr(amp, "BF16_MARGIN", 1e9)  # fp32 wins at the start
+    run(config("train.steps=2", *auto), tmp_path)
+    first = latest_checkpoint(tmp_path).state()["extra"]
+    assert first["amp"] == "none" and "this model's training step measured" in first["amp_reason"]
+
+    def no_probe():
+        raise AssertionError("a resumed run probed bf16 again")
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", no_probe)
+    resumed = run(config("train.steps=4", "resume=true", *auto), tmp_path)
+    assert (resumed["amp"], resumed["amp_reason"]) == ("none", first["amp_reason"])
+    assert latest_checkpoint(tmp_path).state()["extra"]["amp"] == "none"

@@ -187,3 +187,20 @@ def test_cpu_bf16_probe_is_quick_and_cached():
     t1 = time.perf_counter()
     assert cpu_bf16_is_faster() is first and time.perf_counter() - t1 < 1e-3  # cached per process
     assert t1 - t0 < 2.0
+
+
+def test_amp_auto_takes_a_saved_choice_without_probing(monkeypatch):
+    from visattn.engine import amp
+
+    def no_probe():
+        raise AssertionError("probed although the checkpoint holds the choice")
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", no_probe)
+    saved = {"amp": "bf16", "amp_reason": "auto: measured at the start"}
+    for device in (torch.device("cpu"), torch.device("cuda")):  # the saved choice holds on any device
+        choice = amp.choose_amp("auto", device, saved=saved)
+        assert (choice.dtype, choice.reason) == (torch.bfloat16, saved["amp_reason"])
+    # an explicit setting is the user's word, saved choice or not
+    assert amp.choose_amp("none", torch.device("cpu"), saved=saved).dtype is None
+    with pytest.raises(ValueError, match=r"amp=bf16\|none, not 'fp16'"):
+        amp.choose_amp("auto", torch.device("cpu"), saved={"amp": "fp16"})

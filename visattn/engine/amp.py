@@ -7,6 +7,9 @@
           needed: small models lose to autocast's casts even where matmuls win (the study's
           0.5 M-parameter DiT trained 2.3x slower in bf16 on an AVX512-BF16 EPYC whose 256x256
           matmul ran 1.9x faster).
+          A resumed run keeps the choice its first process made (saved in the checkpoint): near
+          the margin the probes could decide the other way, and one run would train in two
+          precisions.
     bf16  always bf16 autocast.    none  fp32.
 No fp16: it needs loss scaling, and bf16 is what the GPUs we target run. The old spellings
 ``true`` / ``false`` are accepted with a warning naming the new values.
@@ -18,7 +21,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,8 +122,15 @@ class AmpChoice:
         return torch.autocast(device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
 
     def record(self) -> dict[str, str]:
-        """results.json fields."""
+        """results.json fields (and what a checkpoint keeps for ``choose_amp(saved=...)``)."""
         return {"amp": self.name, "amp_reason": self.reason}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> AmpChoice:
+        name = record.get("amp")
+        if name not in ("bf16", "none"):
+            raise ValueError(f"a saved mixed-precision choice must be amp=bf16|none, not {name!r} (in {dict(record)})")
+        return cls(torch.bfloat16 if name == "bf16" else None, str(record.get("amp_reason", "")))
 
 
 def _cpu_auto(probe: StepProbe | None) -> AmpChoice:
@@ -137,15 +147,22 @@ def _cpu_auto(probe: StepProbe | None) -> AmpChoice:
                      f"in fp32 on this CPU (bf16 only when >= {BF16_MARGIN}x faster)")
 
 
-def choose_amp(setting: Any, device: torch.device, probe: StepProbe | None = None) -> AmpChoice:
+def choose_amp(setting: Any, device: torch.device, probe: StepProbe | None = None,
+               saved: Mapping[str, Any] | None = None) -> AmpChoice:
     """The autocast dtype for ``train.amp`` on ``device``; the decision is logged. Under
-    ``auto`` on CPU, ``probe`` (the run's model at its own shapes) settles it where the matmul
-    probe favours bf16; without one the matmul decides. Every rank takes rank 0's decision."""
+    ``auto``, ``saved`` (the ``record()`` of a resumed run's checkpoint, None for a fresh run)
+    decides without probing; else on CPU ``probe`` (the run's model at its own shapes) settles
+    it where the matmul probe favours bf16, and without one the matmul decides. Every rank takes
+    rank 0's decision."""
     setting = normalize_amp(setting)
     if setting == "bf16":
         choice = AmpChoice(torch.bfloat16, "train.amp=bf16")
     elif setting == "none":
         choice = AmpChoice(None, "train.amp=none")
+    elif saved is not None and "amp" in saved:
+        choice = AmpChoice.from_record(saved)
+        log.info("mixed precision: %s, as chosen when the run started (%s)", choice.name, choice.reason)
+        return choice
     elif device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         choice = AmpChoice(torch.bfloat16 if ok else None,

@@ -131,7 +131,11 @@ class ClsRun:
             eval_batch_size=cfg.train.eval_batch_size, pin_memory=self.device.type == "cuda",
         )
         self.classes = _class_names(self.val_set) or class_names(cfg.data.name, cfg.data.num_classes)
-        self.amp = choose_amp(cfg.train.amp, self.device, self._step_probe())
+        # read now: a resumed run keeps the mixed precision its checkpoint records
+        found = checkpoint_to_resume(cfg.resume, self.run_dir) if cfg.mode == "train" else None
+        self._resume_from = (found, found.state()) if found is not None else None
+        saved = self._resume_from[1].get("amp") if self._resume_from is not None else None
+        self.amp = choose_amp(cfg.train.amp, self.device, self._step_probe(), saved=saved)
         self.amp_dtype = self.amp.dtype
 
     def _step_probe(self) -> StepProbe:
@@ -207,9 +211,10 @@ class ClsRun:
 
         pos = _Position()
         metrics: dict[str, float] = {}  # the last evaluation's
-        found = checkpoint_to_resume(self.cfg.resume, self.run_dir)
-        if found is not None:
-            pos, pending_row = self._resume(found, optimizer, ema, guard)
+        if self._resume_from is not None:
+            found, state = self._resume_from
+            self._resume_from = None  # the optimizer state is not kept twice
+            pos, pending_row = self._resume(found, state, optimizer, ema, guard)
             metrics = self._settle_saved_evaluation(found, pending_row, model, ema, pos, logger)
         for epoch in range(pos.epoch, cfg.train.epochs):
             self.train_loader.sampler.set_epoch(epoch)
@@ -367,14 +372,15 @@ class ClsRun:
                 "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
                 "rng": rngs, "guard": guard.state_dict(), "pending_eval_row": pending_row,
                 "throughput": self.trained.state_dict(), "clock": self.clock.state_dict(),
+                "amp": self.amp.record(),
             }
             save_checkpoint(self.run_dir, pos.step, weights, state)
         barrier()
 
-    def _resume(self, found: Checkpoint, optimizer, ema,
+    def _resume(self, found: Checkpoint, state: dict[str, Any], optimizer, ema,
                 guard: NonFiniteGuard) -> tuple[_Position, dict[str, Any] | None]:
-        """Load ``found``; returns the position and the metrics row of an evaluation it left pending."""
-        state = found.state()
+        """Load ``found`` (its ``state()`` read); returns the position and the metrics row of an
+        evaluation it left pending."""
         self.model.load_state_dict(found.weights(MODEL_WEIGHTS))
         optimizer.load_state_dict(state["optimizer"])
         if ema is not None and EMA_WEIGHTS in found.files:

@@ -167,7 +167,9 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     total_steps = int(tcfg["steps"])
     aux_weight = float(tcfg["aux_loss_weight"])
     amp = choose_amp(tcfg["amp"], dist.device, step_probe(model, diffusion, data.sample_shape,
-                                                          global_batch // dist.world_size, aux_weight, dist.device))
+                                                          global_batch // dist.world_size, aux_weight, dist.device),
+                     saved=results if found is not None else None)
+    results.update(amp.record())  # in every checkpoint's extra: a resume keeps this choice
     ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
         if dist.distributed else model
     autocast = amp.autocast(dist.device)
@@ -232,7 +234,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     # without the counts)
     results.update({"train_steps": step, "train_images_per_s": timer.overall_rate,
                     "train_wall_time_s": timer.seconds if timer.complete else None,
-                    "skipped_steps": guard.skipped, **amp.record()})
+                    "skipped_steps": guard.skipped})
     active, total = info["active_heads"]
     if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load
         load = measure_head_load(ema.module, data, diffusion, cfg, dist)
