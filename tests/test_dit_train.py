@@ -329,3 +329,10 @@ def test_a_resumed_run_keeps_the_precision_auto_chose_at_its_start(tmp_path, mon
     resumed = run(config("train.steps=4", "resume=true", *auto), tmp_path)
     assert (resumed["amp"], resumed["amp_reason"]) == ("none", first["amp_reason"])
     assert latest_checkpoint(tmp_path).state()["extra"]["amp"] == "none"
+
+
+def test_labels_beyond_the_models_classes_are_refused_before_training(tmp_path):
+    """digits has labels 0..9: with data.num_classes=9, label 9 would be guidance's null class."""
+    with pytest.raises(ValueError, match=r"labels run from 0 to 9 but the model has data.num_classes=9 classes"):
+        run(config("train.steps=1", "data.num_classes=9", *TINY_MODEL), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()

@@ -128,6 +128,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     if tuple(data.sample_shape) != (model.in_channels, model.input_size, model.input_size):
         raise ValueError(f"data samples are {tuple(data.sample_shape)} but the model takes "
                          f"{(model.in_channels, model.input_size, model.input_size)}; check data/vae settings")
+    check_labels(data.labels, model.num_classes)
     diffusion = build_diffusion(cfg, model.learn_sigma)
     ema = ModelEMA(model, float(tcfg["ema_decay"]))
     opt = torch.optim.AdamW(model.parameters(), lr=float(tcfg["lr"]), weight_decay=float(tcfg["weight_decay"]))
@@ -243,6 +244,15 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     if cfg["eval"]["enabled"]:
         results.update(evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=True))
     return results
+
+
+def check_labels(labels: torch.Tensor, num_classes: int) -> None:
+    """ValueError unless every training label is a class of the model: label ``num_classes`` is
+    classifier-free guidance's null class, so one out of range would train silently wrong."""
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise ValueError(f"the training labels run from {int(labels.min())} to {int(labels.max())} but the model has "
+                         f"data.num_classes={num_classes} classes (0..{num_classes - 1}; {num_classes} is guidance's "
+                         f"null class); set data.num_classes to the dataset's class count")
 
 
 def lr_schedule(cfg: Mapping[str, Any], num_images: int) -> WarmupSchedule:
