@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -447,7 +448,8 @@ def test_timings_come_from_the_machine_that_ran_most_runs(tmp_path: Path) -> Non
     assert "500 s" in moh_row  # wall time from the same runs
     assert "the 6 runs on Test CPU (2 usable cores)" in cost
     assert "the other 2 run(s) ran on other machines" in cost
-    assert "- Runs' machine: Test CPU, AVX512, native bf16 (2 usable cores)" in report
+    assert "- Runs' machine: Test CPU, AVX512, native bf16 (2 usable cores), no GPU; torch 2.x: 2 runs (cls 2)" in report
+    assert re.search(r"- Runs' machine: Test CPU \(2 usable cores\).*: 6 runs \(cls 6\)\n", report)
 
 
 def test_machine_line_tells_cpus_of_one_name_apart_by_their_vector_units() -> None:

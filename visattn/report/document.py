@@ -6,6 +6,7 @@ import datetime as dt
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "x"
 
 
+def _run_machines(runs: Sequence[Run]) -> list[str]:
+    """One line per machine that ran some of ``runs``, with how many runs of each task it ran."""
+    counts: dict[str, Counter[str]] = {}
+    for run in runs:
+        if run.cell_info.get("machine"):
+            counts.setdefault(machine_line(run.cell_info["machine"]), Counter())[run.task] += 1
+    return [f"{line}: {sum(tasks.values())} runs ({', '.join(f'{task} {n}' for task, n in sorted(tasks.items()))})"
+            for line, tasks in sorted(counts.items())]
+
+
 def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | None) -> list[str]:
     profiles = sorted({str(r.cell_info["profile"]) for r in runs if r.cell_info.get("profile")})
     lines = [f"# {title}", ""]
@@ -56,10 +67,8 @@ def _header(runs: Sequence[Run], cells: Sequence[Cell], title: str, note: str | 
         ]
     if note:
         lines += [f"> {note}", ""]
-    run_machines = sorted({machine_line(r.cell_info["machine"]) for r in runs if r.cell_info.get("machine")})
     lines.append(f"- Generated: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}")
-    if run_machines:
-        lines += [f"- Runs' machine: {m}" for m in run_machines]
+    lines += [f"- Runs' machine: {m}" for m in _run_machines(runs)]
     lines.append(f"- Report machine: {machine_line(describe_machine())}")
     loads = [value for r in runs for value in r.cell_info.get("load_average") or []]
     if loads:
