@@ -1,12 +1,12 @@
 """train_cls.py under torchrun with 2 CPU processes (gloo): one run dir, one results.json."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from test_engine_faults import env
 
 from visattn.engine.checkpoints import latest_checkpoint
 
@@ -15,15 +15,15 @@ TINY = [
     "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
     "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "aug=none", "data=digits",
+    "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
 ]
 
 
 def test_torchrun_two_processes_share_one_run_dir(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_cls.py"), *TINY, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert not (run_dir / ".run.lock").exists()  # rank 0 held it and let it go  # rank 1 made no run dir of its own

@@ -3,7 +3,6 @@ evaluation samples equal a one-process run's from the same checkpoint (every ran
 the same weights)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_engine_faults import env
 
 from visattn.engine.dit_sampling import all_labels
 from visattn.engine.dit_setup import sample_settings
@@ -21,15 +21,15 @@ TINY = [
     "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "train.steps=3",
     "train.lr=1e-2", "train.ema_decay=0.5", "eval.num_samples=8", "eval.fid_step0=false", "eval.head_load_images=16", "sample.steps=4", "sample.grid=8",
+    "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
 ]
 
 
 def test_torchrun_two_processes_share_one_run_dir_and_sample_like_one(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train_dit.py"), *TINY, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # rank 1 made no run dir of its own
     results = json.loads((run_dir / "results.json").read_text())

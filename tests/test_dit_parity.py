@@ -38,7 +38,9 @@ def replay(noise: torch.Tensor):
 def test_forward_equals_released_dit(io):
     with torch.no_grad():
         out = released_dit(learn_sigma=True)(io["forward.x"], io["forward.t"], io["forward.y"])
-    torch.testing.assert_close(out, io["forward.out"], rtol=1e-5, atol=1e-5)
+    # fp32 sums run in another order on other CPUs and torch builds: 3.6e-5 seen (torch 2.11 on an
+    # H200 host's Xeon) on outputs up to 5.3 in magnitude; a wrong layer moves them by far more.
+    torch.testing.assert_close(out, io["forward.out"], rtol=1e-4, atol=1e-4)
 
 
 def test_training_loss_terms_equal_released_dit(io):
@@ -52,11 +54,12 @@ def test_training_loss_terms_equal_released_dit(io):
         torch.testing.assert_close(terms[key], io[f"loss.{key}"].float(), rtol=1e-4, atol=1e-5, msg=key)
 
 
-# A whole sampling chain amplifies fp32 rounding, and CPUs round differently (AVX2 and AVX-512
-# kernels accumulate in other orders): on an AVX-512 EPYC one of 512 values differed from the
-# AVX2-built fixture by 4.5e-4. 2e-3 still sits well below the differences these tests tell apart
-# (guiding 3 channels or all, large or small posterior variance: > 1e-2).
-CHAIN_TOL = {"rtol": 2e-3, "atol": 2e-3}
+# A whole sampling chain amplifies fp32 rounding, and CPUs and torch builds round differently (other
+# accumulation orders): against the AVX2-built fixture, one of 512 values differed by 4.5e-4 on an
+# AVX-512 EPYC and by 3.4e-3 with torch 2.11 on an H200 host's Xeon. The random-weight model's samples
+# reach |x| ~ 900 and the alternatives these tests tell apart (guiding 3 channels or all, large or
+# small posterior variance) differ by up to ~330 (mean ~40), so 1e-2 still separates them by far.
+CHAIN_TOL = {"rtol": 2e-3, "atol": 1e-2}
 
 
 def _sample(diffusion, model_fn, io, noise_key):

@@ -52,7 +52,9 @@ def script(name, run_dir, *overrides):
 
 
 def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    """The environment of an entry point run as a subprocess: the repository first on its path."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
 # ------------------------------------------------------------------ non-finite training

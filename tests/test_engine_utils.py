@@ -82,6 +82,15 @@ def test_single_process_distributed_helpers():
     assert all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0]
 
 
+def test_more_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
+    """torchrun --nproc_per_node=2 on a one-GPU machine: say so, instead of CUDA's "invalid device ordinal"."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"local rank 1 .* 1 CUDA device.*--nproc_per_node=1.*device=cpu"):
+        init_distributed(None)
+
+
 def test_results_and_metrics_files(tmp_path):
     write_results(tmp_path, {"top1": torch.tensor(0.5), "nan": float("nan"), "shape": (1, 2)})
     assert json.loads((tmp_path / "results.json").read_text()) == {"top1": 0.5, "nan": None, "shape": [1, 2]}

@@ -43,6 +43,11 @@ def init_distributed(device: str | None = None) -> DistInfo:
     if use_cuda and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} was asked for but CUDA is not available; use device=cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda and local_rank >= (gpus := torch.cuda.device_count()):
+        raise ValueError(
+            f"this process is local rank {local_rank} but the machine has {gpus} CUDA device(s); start at most "
+            f"{gpus} processes per node (torchrun --nproc_per_node={gpus}), or train on CPU with device=cpu"
+        )
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)

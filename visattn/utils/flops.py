@@ -1,8 +1,10 @@
 """FLOP counting with ``torch.utils.flop_counter``, including the CPU attention kernel.
 
 torch's counter has formulas for the CUDA SDPA kernels only, so on CPU the fused attention
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) counts 0 FLOPs. The formulas
-here are passed per counting session (``custom_mapping``), so torch's global registry stays untouched.
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) counts 0 FLOPs, and older
+torch releases reject grouped key/value heads (MQA/GQA) in those formulas. The formulas here cover
+every fused SDPA kernel and are passed per counting session (``custom_mapping``), so torch's global
+registry stays untouched.
 Convention: torch's, 2 FLOPs per multiply-accumulate; attention forward is ``4 * B * H * N * M * d``.
 
 Active-head FLOPs (``active_head_flops``) are what a model would cost if only its active heads did
@@ -31,26 +33,40 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 aten = torch.ops.aten
 
 
-def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+def _query_heads(query_shape, shape) -> tuple[int, ...]:
+    """``shape`` ([B, H_kv, M, d]) widened to the query's heads. Under ``enable_gqa`` each key/value
+    head serves H_q / H_kv query heads, and the kernel computes scores per query head. torch's own
+    ``sdpa_flop_count`` rejects H_kv < H_q in older releases (2.11 does; 2.14 accepts it), so the
+    formulas here count the broadcast shapes on every torch we support."""
+    b, _, m, d = shape
+    return (b, query_shape[1], m, d)
 
 
-def _cpu_sdpa_backward_flop(
-    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
-) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+def _sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape))
+
+
+def _sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(
+        grad_out_shape, query_shape, _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
+    )
 
 
 def sdpa_flop_formulas() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas for the SDPA kernels torch does not count (those that run on CPU)."""
-    return {
-        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
-    }
+    """FLOP formulas for the fused SDPA kernels: the CPU kernel, which torch does not count, and the
+    CUDA ones, whose formulas in older torch releases reject grouped key/value heads."""
+    forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    formulas: dict[Any, Callable[..., int]] = {}
+    for name in forward:
+        for op, formula in ((name, _sdpa_flop), (f"{name}_backward", _sdpa_backward_flop)):
+            if hasattr(aten, op):  # the cuDNN kernel is missing from older torch builds
+                formulas[getattr(aten, op)] = formula
+    return formulas
 
 
 def flop_counter() -> FlopCounterMode:
-    """A silent ``FlopCounterMode`` that also counts the CPU SDPA kernels."""
+    """A silent ``FlopCounterMode`` that also counts the CPU SDPA kernel and grouped key/value heads."""
     return FlopCounterMode(display=False, custom_mapping=sdpa_flop_formulas())
 
 
