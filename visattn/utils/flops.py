@@ -34,10 +34,9 @@ aten = torch.ops.aten
 
 
 def _query_heads(query_shape, shape) -> tuple[int, ...]:
-    """``shape`` ([B, H_kv, M, d]) widened to the query's heads. Under ``enable_gqa`` each key/value
-    head serves H_q / H_kv query heads, and the kernel computes scores per query head. torch's own
-    ``sdpa_flop_count`` rejects H_kv < H_q in older releases (2.11 does; 2.14 accepts it), so the
-    formulas here count the broadcast shapes on every torch we support."""
+    """``shape`` ([B, H_kv, M, d]) widened to the query's heads: under ``enable_gqa`` each key/value
+    head serves H_q / H_kv query heads and scores are computed per query head. torch 2.11's
+    ``sdpa_flop_count`` rejects H_kv < H_q (2.14 accepts it), so the formulas pass it these shapes."""
     b, _, m, d = shape
     return (b, query_shape[1], m, d)
 
@@ -53,8 +52,7 @@ def _sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *ar
 
 
 def sdpa_flop_formulas() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas for the fused SDPA kernels: the CPU kernel, which torch does not count, and the
-    CUDA ones, whose formulas in older torch releases reject grouped key/value heads."""
+    """FLOP formulas for every fused SDPA kernel, forward and backward (see the module docstring)."""
     forward = ["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
     formulas: dict[Any, Callable[..., int]] = {}
