@@ -83,6 +83,7 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     run_dir, results = full_run
     first = run_cls(cfg_of("train.stop_after_epoch=1"), tmp_path)
     assert first["completed"] is False
+    saved_wall = latest_checkpoint(tmp_path).state()["clock"]["wall"]  # saved before epoch 1's evaluation
     resumed = run_cls(cfg_of("resume=true"), tmp_path)
     for key in ("top1", "top5", "top1_best", "train_steps"):
         assert resumed[key] == results[key], key
@@ -92,7 +93,9 @@ def test_resume_after_interruption_matches_uninterrupted(full_run, tmp_path):
     # so does the run's clock: the first process's seconds are in the resumed run's wall time
     first_wall = first["wall_time_s"]
     assert resumed["wall_time_s"] > first_wall > 0 and resumed["cpu_time_s"] > first["cpu_time_s"]
-    assert latest_checkpoint(tmp_path).state()["clock"]["wall"] > first_wall
+    # the resumed process's checkpoint counts on from the one it loaded; compared with the first run's
+    # total it would race epoch 2's training against epoch 1's evaluation
+    assert 0 < saved_wall <= first_wall and latest_checkpoint(tmp_path).state()["clock"]["wall"] > saved_wall
     a, b = latest_checkpoint(run_dir).weights(), latest_checkpoint(tmp_path).weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 3
