@@ -16,6 +16,7 @@ TINY = [
     "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "aug=none", "data=digits",
     "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
+    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
 ]
 
 

@@ -22,6 +22,7 @@ TINY = [
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "train.steps=3",
     "train.lr=1e-2", "train.ema_decay=0.5", "eval.num_samples=8", "eval.fid_step0=false", "eval.head_load_images=16", "sample.steps=4", "sample.grid=8",
     "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
+    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
 ]
 
 

@@ -29,10 +29,12 @@ CLS_TINY = [
     "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
     "sched.warmup_epochs=0", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "train.num_threads=null", "aug=none",
+    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
 ]
 DIT_TINY = [
     "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "eval.enabled=false",
+    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
 ]
 
 

@@ -175,6 +175,56 @@ def test_amp_auto_lets_the_models_own_step_overrule_a_favourable_matmul(monkeypa
     assert all(p.grad is None for p in probe.model.parameters())
 
 
+class _ScriptedClock:
+    """time.perf_counter for engine.amp: a probe step advances it by its cost times the machine's
+    load at that call (the load of other work, scripted per call)."""
+
+    def __init__(self, loads: list[float]):
+        self.now, self.loads, self.calls = 0.0, loads, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def step(self, bf16: bool, cost: float) -> None:
+        self.calls.append(bf16)
+        self.now += cost * (self.loads[len(self.calls) - 1] if len(self.calls) <= len(self.loads) else 1.0)
+
+
+def _scripted_probe(monkeypatch, clock: _ScriptedClock, fp32_cost: float, bf16_cost: float):
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "time", clock)
+    model = nn.Linear(4, 4)
+
+    def loss() -> torch.Tensor:
+        bf16 = torch.is_autocast_enabled("cpu")
+        clock.step(bf16, bf16_cost if bf16 else fp32_cost)
+        return model(torch.randn(2, 4)).square().mean()
+
+    return amp.StepProbe(model, loss)
+
+
+def test_amp_auto_probe_times_both_precisions_alternately_so_a_burst_of_load_does_not_decide(monkeypatch):
+    """Equal step costs, other work slowing the machine 4x during the probe's first three steps: timed
+    one precision after the other, fp32 would take all of the load and bf16 would look 4x faster."""
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    clock = _ScriptedClock(loads=[4.0, 4.0, 4.0])
+    choice = amp.choose_amp("auto", torch.device("cpu"), _scripted_probe(monkeypatch, clock, 0.02, 0.02))
+    assert clock.calls == [False, True] * 3  # warm-up pair, then 2 timed pairs
+    assert choice.dtype is None and "20 ms in bf16 vs 20 ms in fp32" in choice.reason
+
+
+def test_amp_auto_probe_stops_after_the_warm_up_where_bf16_is_emulated(monkeypatch):
+    from visattn.engine import amp
+
+    monkeypatch.setattr(amp, "cpu_bf16_is_faster", lambda: True)
+    clock = _ScriptedClock(loads=[])
+    choice = amp.choose_amp("auto", torch.device("cpu"), _scripted_probe(monkeypatch, clock, 0.01, 0.2))
+    assert clock.calls == [False, True] and choice.dtype is None and "200 ms in bf16 vs 10 ms" in choice.reason
+
+
 def test_amp_auto_skips_the_model_probe_where_bf16_matmuls_are_slow(monkeypatch):
     from visattn.engine import amp
 

@@ -84,18 +84,25 @@ class StepProbe:
     backward: bool = True
     repeats: int = 2
 
-    def seconds(self, dtype: torch.dtype | None, give_up_after: float = float("inf")) -> float:
-        """Best of ``repeats`` timed steps after one warm-up (or the warm-up's time when it already
-        took longer than ``give_up_after``)."""
-        times = []
+    def compare(self, give_up_ratio: float = 10.0) -> tuple[float, float]:
+        """Seconds of one fp32 and one bf16 step: the best of ``repeats`` after a warm-up of each,
+        timed alternately (fp32, bf16, fp32, ...) so that other work on the machine slows both
+        alike instead of the one timed while it ran. Stops after the warm-ups when bf16's took over
+        ``give_up_ratio`` times fp32's (emulated bf16: no need to wait)."""
+        t32: list[float] = []
+        t16: list[float] = []
         with torch.random.fork_rng(devices=[]):
             for _ in range(self.repeats + 1):
-                t0 = time.perf_counter()
-                self._step(dtype)
-                times.append(time.perf_counter() - t0)
-                if times[-1] > give_up_after:
-                    return times[-1]
-        return min(times[1:])
+                t32.append(self._timed(None))
+                t16.append(self._timed(torch.bfloat16))
+                if len(t16) == 1 and t16[0] > give_up_ratio * t32[0]:
+                    return t32[0], t16[0]
+        return min(t32[1:]), min(t16[1:])
+
+    def _timed(self, dtype: torch.dtype | None) -> float:
+        t0 = time.perf_counter()
+        self._step(dtype)
+        return time.perf_counter() - t0
 
     def _step(self, dtype: torch.dtype | None) -> None:
         autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
@@ -138,8 +145,7 @@ def _cpu_auto(probe: StepProbe | None) -> AmpChoice:
         return AmpChoice(None, "auto: bf16 matmul measured slower than fp32 on this CPU")
     if probe is None:
         return AmpChoice(torch.bfloat16, "auto: bf16 matmul measured faster than fp32 on this CPU")
-    t32 = probe.seconds(None)
-    t16 = probe.seconds(torch.bfloat16, give_up_after=10 * t32)  # emulated-speed bf16: no need to wait
+    t32, t16 = probe.compare()
     faster = t16 * BF16_MARGIN < t32
     what = "training step" if probe.backward else "forward pass"
     return AmpChoice(torch.bfloat16 if faster else None,
