@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
-from test_engine_faults import env
+from test_engine_faults import ONE_PRECISION, env
 
 from visattn.engine.checkpoints import latest_checkpoint
 
@@ -16,7 +16,7 @@ TINY = [
     "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "aug=none", "data=digits",
     "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
-    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
+    ONE_PRECISION,
 ]
 
 

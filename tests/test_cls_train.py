@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from PIL import Image
 from safetensors.torch import load_file
+from test_engine_faults import ONE_PRECISION
 
 import visattn.engine.cls_trainer as trainer
 from visattn.engine.checkpoints import (
@@ -34,7 +35,7 @@ TINY = [
     "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
     "sched.warmup_epochs=1", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "train.num_threads=null", "aug=none", "aug.mixup=0.2", "aug.label_smoothing=0.1",
-    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
+    ONE_PRECISION,
 ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_engine_faults import env
+from test_engine_faults import ONE_PRECISION, env
 
 from visattn.engine.dit_sampling import all_labels
 from visattn.engine.dit_setup import sample_settings
@@ -22,7 +22,7 @@ TINY = [
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "train.steps=3",
     "train.lr=1e-2", "train.ema_decay=0.5", "eval.num_samples=8", "eval.fid_step0=false", "eval.head_load_images=16", "sample.steps=4", "sample.grid=8",
     "device=cpu",  # gloo: a machine with a GPU may still have fewer GPUs than ranks
-    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
+    ONE_PRECISION,
 ]
 
 

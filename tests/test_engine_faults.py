@@ -25,16 +25,19 @@ from visattn.utils.checkpoint import atomic_write_bytes, load_train_state, load_
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
+# Runs that a test compares train in one precision: under train.amp=auto each run's timed probe
+# decides, and near its margin two runs of one config can decide differently.
+ONE_PRECISION = "train.amp=none"
 CLS_TINY = [
     "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "train.epochs=2",
     "sched.warmup_epochs=0", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
     "train.num_threads=null", "aug=none",
-    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
+    ONE_PRECISION,
 ]
 DIT_TINY = [
     "dit.preset=DiT-T/2", "attn=moh", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
     "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "eval.enabled=false",
-    "train.amp=none",  # compared runs train in one precision: under auto each run's timed probe decides
+    ONE_PRECISION,
 ]
 
 
