@@ -102,24 +102,31 @@ def test_bf16_autocast_close_to_dense():
         assert m(x).dtype == torch.bfloat16
 
 
-def test_auto_picks_sparse_in_eval_and_dense_in_training(monkeypatch):
+def test_auto_leaves_the_masked_path_in_eval_only():
+    """auto probes in eval (here a scripted timer makes sparse projections fastest) and keeps the
+    masked dense path in training, with a mask and for impl='dense'; impl='sparse' runs its path in
+    training too."""
+    from visattn.attention.impl_probe import ImplProbe, use_impl_probe
+
+    fast = {"masked_dense": 3.0, "dense_projections": 2.0, "sparse_projections": 1.0}
     m = _moh(shared_heads=1, routed_topk=1)
-    calls = []
-    monkeypatch.setattr("visattn.attention.moh.sparse_moh_forward", lambda attn, x: calls.append(1) or x)
     x = torch.randn(2, 5, 32)
-    m.eval()(x)
-    assert calls == [1] and m.uses_sparse()
-    m.train()(x)
-    assert calls == [1] and not m.uses_sparse()
-    assert m.aux_loss is not None  # the dense training path still computes the load-balancing loss
-    m.eval()
-    m(x, attn_mask=torch.ones(5, 5, dtype=torch.bool))  # masks take the dense path
-    assert calls == [1]
-    dense = build_attention("moh", 32, num_heads=4, impl="dense").eval()
-    assert not dense.uses_sparse()
-    # most of the routed pool per token (2 of 3): sparse measured no faster, auto stays dense
-    assert not build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2).eval().uses_sparse()
-    assert build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2, impl="sparse").uses_sparse()
+    with use_impl_probe(ImplProbe(timer=lambda path, run: fast[path])):
+        m.eval()(x)
+        assert m.last_path == "sparse_projections" and m.uses_sparse()
+        m.last_path = None
+        m.train()(x)
+        assert m.last_path is None and not m.uses_sparse()
+        assert m.aux_loss is not None  # the dense training path still computes the load-balancing loss
+        m.eval()(x, attn_mask=torch.ones(5, 5, dtype=torch.bool))  # masks take the dense path
+        assert m.last_path is None
+        dense = build_attention("moh", 32, num_heads=4, impl="dense").eval()
+        dense(x)
+        assert not dense.uses_sparse() and dense.last_path is None
+    sparse = build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2, impl="sparse")
+    assert sparse.training and sparse.uses_sparse()
+    sparse(x)
+    assert sparse.last_path == "dense_projections"  # 2 of 3 routed heads per token: dense projections
 
 
 @pytest.mark.parametrize("projections", ["sparse", "dense"])

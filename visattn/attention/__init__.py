@@ -8,6 +8,7 @@ from .model_ops import (
     attention_stats,
     aux_loss,
     convert_moh_state_dict,
+    impl_choices,
     swap_attention,
 )
 from .registry import build_attention, get_attention_class, list_attentions, register_attention
@@ -27,6 +28,7 @@ __all__ = [
     "parse_attn_spec",
     "per_layer_values",
     "get_attention_class",
+    "impl_choices",
     "list_attentions",
     "register_attention",
     "swap_attention",

@@ -44,7 +44,7 @@ class HeadAttention(nn.Module):
         num_kv_heads: key/value heads (GQA); ``None`` = ``num_heads`` (MHA), 1 = MQA.
         head_dim / attn_head_dim: per-head width; the inner width ``num_heads * head_dim`` may differ
             from ``dim`` (MoH-DiT-XL uses 72).
-        shared_heads, routed_topk, two_stage, router, gate: Mixture-of-Head routing
+        shared_heads, routed_topk, two_stage, router, gate, routing: Mixture-of-Head routing
             (see ``HeadRouter``); routing is on when ``routed_topk`` is given.
         layer_idx, depth: position of the layer, for variants whose initialisation depends on it.
     """
@@ -77,6 +77,7 @@ class HeadAttention(nn.Module):
         two_stage: bool | None = None,
         router: str = "linear",
         gate: str = "soft",
+        routing: str = "token_choice",
         layer_idx: int | None = None,
         depth: int | None = None,
         device=None,
@@ -112,8 +113,10 @@ class HeadAttention(nn.Module):
 
         if routed_topk is None and shared_heads is not None:
             raise ValueError(f"shared_heads={shared_heads} was given without routed_topk; give both to route heads")
+        if routed_topk is None and routing != "token_choice":
+            raise ValueError(f"routing={routing!r} was given without routed_topk; give routed_topk to route heads")
         self.router = (
-            HeadRouter(dim, num_heads, shared_heads or 0, routed_topk, two_stage, router, gate, **dd)
+            HeadRouter(dim, num_heads, shared_heads or 0, routed_topk, two_stage, router, gate, routing, **dd)
             if routed_topk is not None
             else None
         )

@@ -13,6 +13,7 @@ import torch.nn as nn
 from timm.layers import Attention as TimmAttention
 
 from .base import HeadAttention
+from .impl_probe import device_name
 from .registry import attention_keywords, build_attention, get_attention_class
 from .spec import expand_per_layer
 
@@ -50,6 +51,30 @@ def attention_stats(model: nn.Module) -> list[dict[str, torch.Tensor]]:
     """Per layer, the statistics of its last forward (e.g. ``head_load``: [B, H] fraction of each
     sample's tokens that used each head)."""
     return [dict(m.stats) for _, m in attention_modules(model) if isinstance(m, HeadAttention)]
+
+
+def impl_choices(model: nn.Module) -> dict[str, Any]:
+    """The run record of which path each attention layer runs, JSON-able:
+    ``{"device": <this process's CPU, and GPU if the model is on one>, "layers": [...]}`` with one
+    entry per attention layer in forward order: ``layer`` (its module name), ``impl`` (its setting,
+    None for variants with a single path), ``path`` (the path of its last forward that could leave
+    the dense one; ``"masked_dense"`` / ``"dense"`` otherwise) and ``choices`` (per input shape and
+    dtype seen: the path, the device it was chosen on, ``source`` and the probe's best times in ms).
+    Only eval forwards of ``impl="auto"`` layers probe; call it after evaluation."""
+    param = next(model.parameters(), None)
+    devices = [device_name("cpu")]
+    if param is not None and param.device.type != "cpu":
+        devices.append(device_name(param.device))
+    layers = []
+    for name, module in attention_modules(model):
+        path_log = getattr(module, "path_log", None)
+        if path_log is None:
+            layers.append({"layer": name, "impl": getattr(module, "impl", None), "path": "dense", "choices": {}})
+            continue
+        last = module.last_path or (module.fixed_path or "masked_dense")
+        choices = {key: choice.record() for key, choice in path_log.items()}
+        layers.append({"layer": name, "impl": module.impl, "path": last, "choices": choices})
+    return {"device": " + ".join(devices), "layers": layers}
 
 
 def _layer_kwargs(per_layer: PerLayer, idx: int, depth: int) -> dict[str, Any]:

@@ -1,16 +1,91 @@
 """Mixture-of-Head attention (MoH, arXiv 2410.11842): routing on ``HeadAttention`` with MoH's default
-budget, and the sparse inference path of ``visattn.attention.sparse``."""
+budget, and its exact inference paths.
+
+Paths (all equal to the masked dense one up to float rounding):
+
+- ``masked_dense``: every head computed, unselected ones zeroed by their gates (the reference, the
+  training path, and what the released MoH code runs);
+- ``dense_projections``: one qkv and one output matmul, attention only for the selected pairs
+  (``visattn.attention.sparse``);
+- ``sparse_projections``: queries, attention and output projection only for the selected pairs
+  (token choice with the linear router; ``visattn.attention.sparse``);
+- ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
+  batched matmuls (``visattn.attention.head_gather``).
+
+``impl="auto"`` times the paths a layer has on the running machine and keeps the fastest
+(``visattn.attention.impl_probe``); ``visattn.attention.impl_choices(model)`` reports what each
+layer chose.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from .base import HeadAttention
+from .head_gather import head_gather_forward, head_gather_supported
+from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
 from .routing import default_budget
-from .sparse import SPARSE_PROJECTION_MAX_DENSITY, routed_density, sparse_moh_forward, sparse_moh_supported
+from .sparse import (
+    SPARSE_PROJECTION_MAX_DENSITY,
+    compute_dtype,
+    routed_density,
+    sparse_moh_forward,
+    sparse_moh_supported,
+)
 
-MOH_IMPLS = ("auto", "dense", "sparse")
+PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
+    "masked_dense": lambda attn, x: attn.dense_forward(x),
+    "dense_projections": lambda attn, x: sparse_moh_forward(attn, x, projections="dense"),
+    "sparse_projections": lambda attn, x: sparse_moh_forward(attn, x, projections="sparse"),
+    "head_gather": lambda attn, x: head_gather_forward(attn, x, output="rows"),
+    "head_gather_dense_out": lambda attn, x: head_gather_forward(attn, x, output="dense"),
+}
+REFERENCE_PATH = "masked_dense"
+# "dense" is the masked dense path; "sparse" the skipping path the layer's routing is built for.
+MOH_IMPLS = ("auto", "dense", "sparse", *PATHS)
+
+
+def available_paths(attn: HeadAttention) -> list[str]:
+    """The exact paths ``attn`` can run without a mask, reference first (only the reference where the
+    layer cannot skip work, e.g. ``routed_topk=0``: every head on)."""
+    paths = [REFERENCE_PATH]
+    router = attn.router
+    if sparse_moh_supported(attn) is not None or router.routed_topk == 0:
+        return paths
+    paths.append("dense_projections")
+    if router.routing == "token_choice" and router.router_kind == "linear":
+        paths.append("sparse_projections")
+    if head_gather_supported(attn) is None:
+        paths += ["head_gather", "head_gather_dense_out"]
+    return paths
+
+
+def _fixed_path(attn: HeadAttention, impl: str, paths: list[str]) -> str | None:
+    """The path ``impl`` names for ``attn`` (None for ``auto``); a ValueError naming the paths the layer
+    has when it cannot run it."""
+    if impl == "auto":
+        return None
+    if impl == "dense":
+        return REFERENCE_PATH
+    if impl == "sparse":
+        reason = sparse_moh_supported(attn)
+        if reason is not None:
+            raise ValueError(f"impl='sparse' is not available here: {reason}; use impl='dense' or 'auto'")
+        if len(paths) == 1:  # nothing to skip
+            return REFERENCE_PATH
+        if "head_gather" in paths:
+            return "head_gather"
+        few = routed_density(attn) <= SPARSE_PROJECTION_MAX_DENSITY
+        return "sparse_projections" if few and "sparse_projections" in paths else "dense_projections"
+    if impl not in paths:
+        raise ValueError(
+            f"impl={impl!r} is not available for this layer (routing={attn.router.routing!r}, "
+            f"router={attn.router.router_kind!r}); it has: {', '.join(['auto', 'dense', *paths])}"
+        )
+    return impl
 
 
 @register_attention("moh")
@@ -18,12 +93,19 @@ class MoHAttention(HeadAttention):
     """Mixture-of-Head attention: shared heads always on, ``routed_topk`` of the rest per token.
 
     Without a budget it uses half the heads as shared and routes half of the remaining pool.
-    ``impl``: ``"dense"`` computes every head and zeroes the unselected ones (the reference, and the
-    training path); ``"sparse"`` computes only the selected (token, head) pairs
-    (``visattn.attention.sparse``); ``"auto"`` (default) is sparse in eval mode where that measured
-    faster (linear router, at most half of the routed pool per token), dense otherwise and in
-    training. An attention mask or ``is_causal`` always takes the dense path.
+    ``routing="head_choice"`` makes each routed head take a fixed share of each image's tokens
+    instead (see ``visattn.attention.routing``; registered as ``moh_head_choice`` too).
+
+    ``impl``: ``"auto"`` (default) times the layer's exact paths on this machine in eval mode and
+    keeps the fastest per input shape and dtype; ``"dense"`` is the masked dense path (the reference);
+    ``"sparse"`` skips unselected heads (token choice: projections sparse up to half the routed pool,
+    dense above; head choice: ``head_gather``); or name a path of ``PATHS``. Under ``auto`` training
+    takes the masked dense path (a probe cannot time a backward pass without touching gradients); a
+    named path runs in training too (every path is differentiable). An attention mask, ``is_causal``,
+    TorchScript and torch.fx always take the masked dense path.
     """
+
+    __jit_unused_properties__ = [*HeadAttention.__jit_unused_properties__, "impl"]
 
     def __init__(
         self,
@@ -35,39 +117,48 @@ class MoHAttention(HeadAttention):
         impl: str = "auto",
         **kwargs,
     ) -> None:
-        if impl not in MOH_IMPLS:
+        if impl not in MOH_IMPLS:  # before building anything
             raise ValueError(f"impl={impl!r} is not known; use one of {MOH_IMPLS}")
         if routed_topk is None:
             shared_heads, routed_topk = default_budget(num_heads, shared_heads)
         super().__init__(dim, num_heads, shared_heads=shared_heads or 0, routed_topk=routed_topk, **kwargs)
-        self.impl = impl
-        reason = sparse_moh_supported(self)
-        if impl == "sparse" and reason is not None:
-            raise ValueError(f"impl='sparse' is not available here: {reason}; use impl='dense' or 'auto'")
-        self.sparse_ok = reason is None
-        # "auto" goes sparse in eval where that measured faster: linear router, at most half the pool.
-        self.sparse_auto = (
-            self.sparse_ok
-            and self.router.router_kind == "linear"
-            and routed_density(self) <= SPARSE_PROJECTION_MAX_DENSITY
-        )
+        self.paths = available_paths(self)
+        self.impl = impl  # sets fixed_path
+        # Per instance: the path taken per (shape, dtype), for visattn.attention.impl_choices.
+        self.path_log: dict[str, PathChoice] = {}
+        self.last_path: str | None = None
+        self._recall: tuple | None = None  # (what the last choice depended on, the choice)
+
+    @property
+    def impl(self) -> str:
+        """The path setting (see the class docstring); assigning it re-checks it against the layer."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, impl: str) -> None:
+        if impl not in MOH_IMPLS:
+            raise ValueError(f"impl={impl!r} is not known; use one of {MOH_IMPLS}")
+        self.fixed_path = _fixed_path(self, impl, self.paths)
+        self._impl = impl
 
     def uses_sparse(self, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> bool:
-        """Whether forward takes the sparse path for these arguments in the current mode."""
-        if not self.sparse_ok or attn_mask is not None or is_causal:
+        """Whether forward may leave the masked dense path for these arguments in the current mode
+        (under ``auto``: in eval, when there is another path to probe)."""
+        if attn_mask is not None or is_causal:
             return False
-        if self.impl == "auto":
-            return self.sparse_auto and not self.training
-        return self.impl == "sparse"
+        if self.fixed_path is not None:
+            return self.fixed_path != REFERENCE_PATH
+        return not self.training and len(self.paths) > 1
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """x: [B, N, C] -> [B, N, dim_out]; see ``HeadAttention.forward``.
 
-        TorchScript always takes the dense path (the sparse one groups tokens with Python lists).
-        Under ``torch.compile`` the sparse path is left eager (data-dependent group sizes would break
-        the graph anyway); training, ``impl="dense"`` and a scripted module compile as one graph.
+        TorchScript always takes the dense path (the other paths use Python-side choices). Under
+        ``torch.compile`` the path choice and the skipping paths stay eager (data-dependent shapes
+        would break the graph anyway); training, ``impl="dense"`` and a scripted module compile as one
+        graph.
         """
         if not torch.jit.is_scripting() and self.uses_sparse(attn_mask, is_causal):
             return self.sparse_forward(x)
@@ -76,12 +167,57 @@ class MoHAttention(HeadAttention):
     @torch.jit.unused
     @torch.compiler.disable
     def sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Only the selected (token, head) pairs computed (``visattn.attention.sparse``). x: [B, N, C].
-        torch.fx records the dense path instead: a traced graph cannot hold data-dependent token groups;
-        an empty batch takes it too (there are no tokens to group)."""
-        if isinstance(x, torch.fx.Proxy) or x.numel() == 0:
+        """x: [B, N, C] through the path ``impl`` names or ``auto`` chooses. torch.fx records the dense
+        path (a traced graph cannot hold data-dependent token groups); so do an empty input and tensor
+        subclasses (fake tensors: nothing to time)."""
+        if isinstance(x, torch.fx.Proxy) or x.numel() == 0 or type(x) is not torch.Tensor:
             return self.dense_forward(x)
-        return sparse_moh_forward(self, x)
+        path = self.choose_path(x).path
+        self.last_path = path
+        return PATHS[path](self, x)
+
+    @torch.jit.unused
+    def choose_path(self, x: torch.Tensor) -> PathChoice:
+        """The path for x: [B, N, C] in the current autocast state: ``impl``'s, or ``auto``'s probe.
+        The last answer is kept on the layer, so a forward like the one before costs a tuple compare."""
+        dtype = compute_dtype(x)
+        probe = impl_probe()
+        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, id(probe))
+        if self._recall is not None and self._recall[0] == recall:
+            return self._recall[1]
+        dtype_name = str(dtype).removeprefix("torch.")
+        device = device_name(x.device)
+        shape = tuple(x.shape)
+        if self.fixed_path is not None:
+            choice = PathChoice(self.fixed_path, device, "fixed", shape, dtype_name)
+        else:
+            runs = {path: (lambda path=path: PATHS[path](self, x)) for path in self.paths}
+            key = self.probe_key(x, device, dtype_name)
+            choice = probe.choose(key, runs, REFERENCE_PATH, shape, dtype_name, device)
+        self._recall = (recall, choice)
+        self.path_log[f"{list(shape)} {dtype_name}"] = choice
+        return choice
+
+    @torch.jit.unused
+    def probe_key(self, x: torch.Tensor, device: str, dtype: str) -> tuple:
+        """What the fastest path depends on: machine, threads, torch, dtype, shape and the layer's
+        geometry and routing (see ``visattn.attention.impl_probe``)."""
+        router = self.router
+        layer = (
+            self.num_heads, self.num_kv_heads, self.head_dim, self.proj.out_features, router.shared_heads,
+            router.routed_topk, router.routing, router.router_kind, tuple(self.paths),
+        )  # fmt: skip
+        return (device, torch.get_num_threads(), torch.__version__, dtype, tuple(x.shape), layer)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"
+
+
+@register_attention("moh_head_choice")
+class MoHHeadChoiceAttention(MoHAttention):
+    """MoH with ``routing="head_choice"`` by default: every routed head takes the
+    ``round(N * routed_topk / pool)`` highest-scoring tokens of each image (static shapes, balanced
+    by construction, no load-balancing loss); shared heads as in MoH. ``attn=moh_head_choice``."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *, routing: str = "head_choice", **kwargs) -> None:
+        super().__init__(dim, num_heads, routing=routing, **kwargs)

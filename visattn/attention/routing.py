@@ -9,16 +9,34 @@ routed gates are renormalised over the chosen heads and multiplied by ``k``, sha
 ``shared_heads``, and the two-stage weights ``[alpha1, alpha2]`` by 2, so every active head weighs
 about 1 at initialisation. A layer with ``routed_topk=0`` is dense: every head on, with soft
 per-token weights (softmax over heads, times H).
+
+Two ways to pick the routed (token, head) pairs (``routing``):
+
+- ``"token_choice"`` (MoH): every token takes its top ``routed_topk`` heads of the pool by
+  ``P = softmax(W_r x_t)``; the gates are P renormalised over the chosen heads, times k.
+- ``"head_choice"`` (static shapes, as expert-choice routing): every routed head takes the
+  ``c = round(N * routed_topk / E)`` tokens of each image with the highest ``P_i`` (at least 1, at
+  most N), so a token uses ``shared_heads + routed_topk`` heads on average, the same budget as token
+  choice, but how many heads one token gets varies (0..E) while every head's load is fixed. The gate
+  is MoH's formula without renormalisation, ``g_i = alpha2 * P_i * E`` for a chosen pair (0 else):
+  ``P_i`` is about 1/E at initialisation, so the factor E makes a chosen head weigh about 1 as in token
+  choice; renormalising over "the chosen heads of a token" would give a token chosen by one head
+  that head at full weight whatever its score. Gradients reach ``W_r`` through ``P_i``. Every head's
+  load is balanced by construction, so head choice stores no load-balancing loss (``aux_loss`` stays
+  None, and ``visattn.aux_loss`` counts it as 0).
 """
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
 GATES = ("soft", "binary_ste")
+ROUTINGS = ("token_choice", "head_choice")
 
 
 def validate_budget(num_heads: int, shared_heads: int, routed_topk: int) -> None:
@@ -47,6 +65,24 @@ def default_budget(num_heads: int, shared_heads: int | None = None) -> tuple[int
     return shared, (max(1, pool // 2) if pool > 0 else 0)
 
 
+def head_capacity(tokens: int, routed_topk: int, pool: int) -> int:
+    """Tokens of an image each routed head takes under head choice: round(tokens * routed_topk / pool),
+    at least 1 and at most ``tokens`` (0 for an image of no tokens). Halves round up."""
+    if tokens == 0:
+        return 0
+    return min(tokens, max(1, int(tokens * routed_topk / pool + 0.5)))
+
+
+@torch.fx.wrap
+@register_notrace_function  # a leaf for torch.fx: the capacity depends on the (symbolic) token count
+def head_choice_selection(probs: torch.Tensor, routed_topk: int, pool: int) -> torch.Tensor:
+    """probs [B, N, E] -> bool [B, N, E]: True for the ``head_capacity`` tokens of each image with the
+    highest probability for each routed head."""
+    capacity = head_capacity(probs.shape[1], routed_topk, pool)
+    _, top = probs.topk(capacity, dim=1)  # [B, c, E]
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
+
+
 class HeadRouter(nn.Module):
     """Per-token head gates for ``num_heads`` heads.
 
@@ -60,6 +96,8 @@ class HeadRouter(nn.Module):
             of each routed head's query, for continue-tuning a pretrained MHA model).
         gate: ``"soft"`` (weighted sum) or ``"binary_ste"`` (exact 0/1 gates forward,
             straight-through gradients to the soft scores backward).
+        routing: ``"token_choice"`` (each token picks ``routed_topk`` heads) or ``"head_choice"``
+            (each routed head picks a fixed share of each image's tokens; see the module docstring).
 
     Parameter names: ``routed`` (the release's ``wg``), ``mix`` (``wg_0``), ``shared`` (``wg_1``).
     Scriptable with ``torch.jit.script`` (the attributes set by forward are declared below).
@@ -80,6 +118,7 @@ class HeadRouter(nn.Module):
         two_stage: bool | None = None,
         router: str = "linear",
         gate: str = "soft",
+        routing: str = "token_choice",
         device=None,
         dtype=None,
     ) -> None:
@@ -88,6 +127,8 @@ class HeadRouter(nn.Module):
             raise ValueError(f"router={router!r} is not known; use one of {ROUTERS}")
         if gate not in GATES:
             raise ValueError(f"gate={gate!r} is not known; use one of {GATES}")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r} is not known; use one of {ROUTINGS}")
         validate_budget(num_heads, shared_heads, routed_topk)
         learned_mix = router == "linear" and gate == "soft"
         if two_stage is None:
@@ -105,6 +146,7 @@ class HeadRouter(nn.Module):
         self.pool = num_heads - shared_heads if routed_topk > 0 else 0
         self.router_kind = router
         self.gate_mode = gate
+        self.routing = routing
         self.two_stage = two_stage and shared_heads > 0 and routed_topk > 0
         dd = {"device": device, "dtype": dtype}
         linear = router == "linear"
@@ -131,7 +173,7 @@ class HeadRouter(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, shared={self.shared_heads}, topk={self.routed_topk}, "
-            f"router={self.router_kind}, gate={self.gate_mode}, two_stage={self.two_stage}"
+            f"router={self.router_kind}, gate={self.gate_mode}, two_stage={self.two_stage}, routing={self.routing}"
         )
 
     def _shared_gates(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +196,8 @@ class HeadRouter(nn.Module):
                 raise ValueError("router='l2norm' needs the queries: call forward(x, q)")
             scores = torch.linalg.vector_norm(q[:, self.shared_heads :].float(), dim=-1).transpose(1, 2)  # [B, N, E]
         probs = F.softmax(scores, dim=-1)
+        if self.routing == "head_choice":
+            return self._head_choice(probs)
         _, top = probs.topk(self.routed_topk, dim=-1)
         selected = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, True)
         if self.training and routed is not None:
@@ -162,11 +206,22 @@ class HeadRouter(nn.Module):
             p = probs.mean(dim=(0, 1))
             self.aux_loss = (f * p).sum() * self.pool
         if self.gate_mode == "binary_ste":
-            hard = selected.to(probs.dtype)
-            return hard + (probs - probs.detach()), selected  # exactly 0/1 forward
+            return self._binary(probs, selected), selected
         kept = probs * selected
         denom = kept.sum(dim=-1, keepdim=True).clamp_min(self.eps)
         return kept / denom * self.routed_topk, selected
+
+    def _head_choice(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """probs [B, N, E] -> gates and selection [B, N, E]: each routed head keeps the
+        ``head_capacity`` tokens of each image with the highest probability for it."""
+        selected = head_choice_selection(probs, self.routed_topk, self.pool)
+        if self.gate_mode == "binary_ste":
+            return self._binary(probs, selected), selected
+        return probs * selected * self.pool, selected
+
+    def _binary(self, probs: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Exactly 0/1 gates forward, straight-through gradients to ``probs`` backward."""
+        return selected.to(probs.dtype) + (probs - probs.detach())
 
     def forward(self, x: torch.Tensor, q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, N, C], q: [B, H, N, d] (only the l2norm router reads it).

@@ -45,12 +45,12 @@ def sparse_moh_supported(attn: HeadAttention) -> str | None:
     return None
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _rows(linear: torch.nn.Linear, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_rows(linear: torch.nn.Linear, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Output rows start..stop of a linear layer: (weight [stop - start, in], bias or None)."""
     bias = linear.bias[start:stop] if linear.bias is not None else None
     return linear.weight[start:stop], bias
@@ -95,7 +95,7 @@ class _Rows:
         return (
             self.buffer
             if self.buffer is not None
-            else torch.cat(self.blocks).to(_compute_dtype(self.blocks[0]))
+            else torch.cat(self.blocks).to(compute_dtype(self.blocks[0]))
         )
 
 
@@ -117,12 +117,19 @@ def sparse_moh_forward(attn: HeadAttention, x: torch.Tensor, projections: str = 
     ``projections``: ``"sparse"`` (queries and outputs projected per selected pair), ``"dense"``
     (every head projected, only the attention of selected pairs computed), or ``"auto"``: sparse up
     to ``SPARSE_PROJECTION_MAX_DENSITY`` tokens per routed head. The ``l2norm`` router scores every
-    head's query, so it always projects densely. Call only when ``sparse_moh_supported(attn)`` is None.
+    head's query, so it always projects densely, and so does head choice under ``"auto"`` (its
+    static-shape path is ``visattn.attention.head_gather``). Call only when ``sparse_moh_supported(attn)`` is None.
     """
     if projections not in PROJECTIONS:
         raise ValueError(f"projections={projections!r} is not known; use one of {PROJECTIONS}")
+    head_choice = attn.router.routing == "head_choice"
+    if head_choice and projections == "sparse":
+        raise ValueError(
+            "projections='sparse' needs token choice (routed_topk pairs per token); with routing='head_choice' "
+            "use projections='dense' or visattn.attention.head_gather"
+        )
     dense = (
-        routed_density(attn) > SPARSE_PROJECTION_MAX_DENSITY
+        head_choice or routed_density(attn) > SPARSE_PROJECTION_MAX_DENSITY
         if projections == "auto"
         else projections == "dense"
     )
@@ -139,14 +146,14 @@ def _dense_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     group = H // attn.num_kv_heads
     router = attn.router
     dropout_p = attn.attn_drop.p if attn.training else 0.0
-    x = x.to(_compute_dtype(x))  # cast once for the projection and the router's linears
+    x = x.to(compute_dtype(x))  # cast once for the projection and the router's linears
     q, k, v = attn.project_qkv(x)  # [B, H, N, d], [B, H_kv, N, d] x 2
     gates, selected = attn.route(x, q)
     shared = H if router.routed_topk == 0 else router.shared_heads
 
-    heads = torch.empty(B, N, H, d, dtype=_compute_dtype(x), device=x.device)  # gated head outputs
+    heads = torch.empty(B, N, H, d, dtype=compute_dtype(x), device=x.device)  # gated head outputs
     if shared:
-        ks, vs = _shared_kv(k, v, shared, group)
+        ks, vs = shared_kv(k, v, shared, group)
         o = F.scaled_dot_product_attention(q[:, :shared], ks, vs, dropout_p=dropout_p)
         o = o * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(o.dtype)
         heads[:, :, :shared] = o.transpose(1, 2)
@@ -172,10 +179,10 @@ def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     group = H // Hkv  # query heads per key/value head
     router = attn.router
     dropout_p = attn.attn_drop.p if attn.training else 0.0
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     x = x.to(dtype)  # cast once (under autocast) rather than once per gather
 
-    kv_w, kv_b = _rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
     k, v = F.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
     k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
     v = v.transpose(1, 2)
@@ -200,7 +207,7 @@ def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
             continue
         head = shared + e
         tokens = routed[:, e].nonzero().squeeze(1)  # flat b * N + n, ascending
-        q_w, q_b = _rows(attn.qkv, head * d, (head + 1) * d)
+        q_w, q_b = linear_rows(attn.qkv, head * d, (head + 1) * d)
         q = attn.q_norm(F.linear(x_rows.index_select(0, tokens), q_w, q_b))  # [count, d]
         kv_head = head // group
         o = _attend_grouped(q, tokens, N, k[:, kv_head], v[:, kv_head], dropout_p)  # [count, d]
@@ -243,16 +250,16 @@ def _shared_heads(
     x: [B, N, C], k/v: [B, H_kv, N, d], gates: [B, N, H]; appends [B * N, dim_out] rows to ``out``."""
     B, N, _ = x.shape
     d = attn.head_dim
-    q_w, q_b = _rows(attn.qkv, 0, shared * d)
+    q_w, q_b = linear_rows(attn.qkv, 0, shared * d)
     q = attn.q_norm(F.linear(x, q_w, q_b).view(B, N, shared, d).transpose(1, 2))
-    k, v = _shared_kv(k, v, shared, group)
+    k, v = shared_kv(k, v, shared, group)
     heads = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     heads = heads * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
     merged = heads.transpose(1, 2).reshape(B * N, shared * d)
     out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias)
 
 
-def _shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """k/v: [B, H_kv, N, d] -> the keys and values of query heads 0..shared-1, [B, shared, N, d] each
     (only the key/value heads those read are repeated)."""
     kv_heads = -(-shared // group)

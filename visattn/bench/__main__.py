@@ -1,4 +1,4 @@
-"""CLI: ``python -m visattn.bench attention ...`` / ``python -m visattn.bench model ...``.
+"""CLI: ``python -m visattn.bench attention|model|paths ...``.
 
 Prints a markdown table and writes every measurement (raw samples included) to ``--out`` as JSON.
 Ratios are to the reference (``mha``) measured in the same interleaved rounds; report those, not
@@ -22,10 +22,14 @@ from visattn.utils.machine import describe_machine, machine_line
 
 from .attention import Shape, run_attention_bench
 from .models import MODEL_PRESETS, run_model_bench
+from .paths import paths_table, run_paths_bench
 from .report import markdown_table
 from .workload import DTYPES
 
 DEFAULT_SHAPES = ["32,197,384,6", "32,256,768,12"]
+# The study's attention layers (classification: 96 wide, 8 heads, 17 tokens; DiT: 64 wide, 8 heads,
+# 49 tokens; batch 256) and ViT-S's.
+STUDY_SHAPES = ["256,17,96,8", "256,49,64,8", "32,197,384,6"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -57,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     att.add_argument("--no-masked", dest="masked", action="store_false", help="skip MoH's masked dense rows")
     att.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     _common(att)
+    paths = sub.add_parser("paths", help="MoH's exact inference paths, impl=auto and head choice vs mha")
+    paths.add_argument("--shapes", nargs="+", default=STUDY_SHAPES, help="batch,tokens,dim,heads")
+    paths.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.75], help="active-head fractions")
+    _common(paths)
+    paths.set_defaults(dtypes=["fp32"])
     mod = sub.add_parser("model", help="whole presets, images/s")
     mod.add_argument(
         "--presets",
@@ -110,6 +119,10 @@ def main(argv: list[str] | None = None) -> dict:
             masked=args.masked,
         )
         table = markdown_table(rows, "shape")
+    elif args.mode == "paths":
+        shapes = [Shape.parse(s) for s in args.shapes]
+        rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock)
+        table = paths_table(rows)
     else:
         rows = run_model_bench(
             args.presets,

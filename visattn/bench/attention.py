@@ -52,6 +52,7 @@ class AttentionCase:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     train: bool = True  # False for rows whose training step is another row's (MoH's masked path)
+    infer_impl: str | None = None  # MoH's impl for inference only (training keeps the built one)
 
 
 def moh_budget(num_heads: int, fraction: float) -> tuple[int, int]:
@@ -71,8 +72,10 @@ def moh_budget(num_heads: int, fraction: float) -> tuple[int, int]:
 def attention_cases(
     heads: int, variants: list[str], budgets: list[float], masked: bool = True
 ) -> list[AttentionCase]:
-    """``mha`` first (the reference), then each variant; ``moh`` once per budget (sparse inference),
-    plus its masked dense path (what the released code runs) when ``masked``."""
+    """``mha`` first (the reference), then each variant; ``moh`` once per budget (inference through
+    its head-skipping path, ``impl="sparse"``; training as built, on the masked dense path), plus its
+    masked dense path (what the released code runs) when ``masked``. ``python -m visattn.bench paths``
+    times every MoH path and ``impl="auto"``."""
     known = list_attentions()
     for name in variants:
         if name not in known:
@@ -88,7 +91,7 @@ def attention_cases(
             shared, topk = moh_budget(heads, fraction)
             label = f"moh-{round(100 * fraction)}"
             budget = {"shared_heads": shared, "routed_topk": topk}
-            cases.append(AttentionCase(label, "moh", budget))
+            cases.append(AttentionCase(label, "moh", budget, infer_impl="sparse"))
             if masked:
                 cases.append(
                     AttentionCase(f"{label}-masked", "moh", {**budget, "impl": "dense"}, train=False)
@@ -96,12 +99,14 @@ def attention_cases(
     return cases
 
 
-def build_attention_workload(name: str, kwargs: dict[str, Any], shape: Shape, seed: int = 0) -> Workload:
+def build_attention_workload(
+    name: str, kwargs: dict[str, Any], shape: Shape, infer_impl: str | None = None, seed: int = 0
+) -> Workload:
     """The layer and a random input x: [batch, tokens, dim] (module-level: pickled into memory probes)."""
     torch.manual_seed(seed)
     module = build_attention(name, shape.dim, num_heads=shape.heads, **kwargs)
     x = torch.randn(shape.batch, shape.tokens, shape.dim)
-    return Workload(module, (x,))
+    return Workload(module, (x,), infer_impl)
 
 
 def run_attention_bench(
@@ -120,7 +125,7 @@ def run_attention_bench(
     rows = []
     for shape in shapes:
         cases = {
-            c.label: (c, (c.name, c.kwargs, shape))
+            c.label: (c, (c.name, c.kwargs, shape, c.infer_impl))
             for c in attention_cases(shape.heads, variants, budgets, masked)
         }
         measured = measure_cases(

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from visattn.attention import aux_loss
+from visattn.attention.moh import MoHAttention
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 AUX_WEIGHT = 0.01  # MoH's beta; the training step includes the load-balancing loss like a real one
@@ -22,19 +23,37 @@ def autocast_for(dtype_name: str):
     return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
+@contextlib.contextmanager
+def moh_impl(module: nn.Module, impl: str | None):
+    """Within the block, every MoH layer of ``module`` runs with ``impl`` (None: as built)."""
+    layers = [m for m in module.modules() if isinstance(m, MoHAttention)] if impl is not None else []
+    before = [m.impl for m in layers]
+    for m in layers:
+        m.impl = impl
+    try:
+        yield
+    finally:
+        for m, old in zip(layers, before, strict=True):
+            m.impl = old
+
+
 @dataclass
 class Workload:
-    """``module(*inputs)`` -> a tensor (or a tuple whose first item is the output)."""
+    """``module(*inputs)`` -> a tensor (or a tuple whose first item is the output).
+    ``infer_impl``: the MoH ``impl`` inference runs with (None: the module's own; training always
+    runs with the module's own)."""
 
     module: nn.Module
     inputs: tuple[torch.Tensor, ...]
+    infer_impl: str | None = None
 
     def forward(self) -> torch.Tensor:
         out = self.module(*self.inputs)
         return out[0] if isinstance(out, tuple) else out
 
     def infer(self) -> torch.Tensor:
-        return self.forward()
+        with moh_impl(self.module, self.infer_impl):
+            return self.forward()
 
     def loss(self) -> torch.Tensor:
         loss = self.forward().float().square().mean()

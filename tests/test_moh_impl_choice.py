@@ -1,0 +1,250 @@
+"""impl='auto': every MoH path is exact, the probe's choice follows its (injected) timer, choices are
+cached per key, and ``impl_choices`` records them per layer. No timing is asserted."""
+
+import json
+
+import pytest
+import timm
+import torch
+
+from visattn import build_attention
+from visattn.attention import impl_choices
+from visattn.attention.impl_probe import ImplProbe, device_name, pick_path, time_paths, use_impl_probe
+from visattn.attention.moh import PATHS
+from visattn.utils.flops import count_flops
+
+
+def _moh(dim=32, heads=8, shared=2, topk=2, routing="token_choice", seed=0, **kwargs):
+    torch.manual_seed(seed)
+    m = build_attention(
+        "moh", dim, num_heads=heads, shared_heads=shared, routed_topk=topk, routing=routing, **kwargs
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m.eval()
+
+
+class ScriptedTimer:
+    """Seconds per path from a table; records every call (path names in call order). With
+    ``execute`` it also runs the path, as a real timer does."""
+
+    def __init__(self, seconds: dict[str, float], execute: bool = False) -> None:
+        self.seconds = seconds
+        self.execute = execute
+        self.calls: list[str] = []
+
+    def __call__(self, path, run):
+        self.calls.append(path)
+        if self.execute:
+            run()
+        return self.seconds[path]
+
+
+ALL_FAST = {
+    "masked_dense": 1.0,
+    "dense_projections": 1.0,
+    "sparse_projections": 1.0,
+    "head_gather": 1.0,
+    "head_gather_dense_out": 1.0,
+}
+
+
+# --- every path is exact ------------------------------------------------------------------------
+
+SHAPES = [(1, 1, 24, 6), (3, 7, 24, 6), (2, 17, 48, 8), (5, 3, 20, 4)]
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "head_choice"])
+@pytest.mark.parametrize(("B", "N", "C", "H"), SHAPES)
+def test_every_path_equals_the_dense_reference(routing, B, N, C, H):
+    m = _moh(dim=C, heads=H, shared=H // 4, topk=H // 4 + 1, routing=routing, qkv_bias=True)
+    x = torch.randn(B, N, C)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        assert len(m.paths) >= 3
+        for path in m.paths:
+            torch.testing.assert_close(PATHS[path](m, x), ref, rtol=1e-5, atol=1e-5, msg=path)
+
+
+@pytest.mark.parametrize("routing", ["token_choice", "head_choice"])
+def test_auto_output_equals_dense_whatever_it_picks(routing):
+    m = _moh(routing=routing)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        for path in m.paths:  # make each path the fastest in turn
+            with use_impl_probe(ImplProbe(timer=ScriptedTimer({**ALL_FAST, path: 0.1}))):
+                torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+            assert m.last_path == path
+
+
+# --- the probe's decision ------------------------------------------------------------------------
+
+
+def test_masked_dense_timed_fastest_is_picked():
+    m = _moh()
+    timer = ScriptedTimer({"masked_dense": 1.0, "dense_projections": 1.5, "sparse_projections": 2.0})
+    with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
+        m(torch.randn(2, 9, 32))
+    assert m.last_path == "masked_dense"
+
+
+def test_a_path_must_beat_masked_dense_by_the_margin_and_in_every_round():
+    samples = {"masked_dense": [1.0, 1.1], "dense_projections": [0.99, 1.0], "sparse_projections": [1.2, 1.3]}
+    assert pick_path(samples, "masked_dense", margin=0.02) == "masked_dense"  # 1% faster: noise
+    assert pick_path(samples, "masked_dense", margin=0.0) == "dense_projections"
+    samples["sparse_projections"] = [0.5, 0.6]
+    assert pick_path(samples, "masked_dense", margin=0.02) == "sparse_projections"
+    samples["sparse_projections"] = [0.5, 1.2]  # one lucky round; slower than masked in the other
+    assert pick_path(samples, "masked_dense", margin=0.02) == "masked_dense"
+
+
+def test_probe_rounds_are_interleaved_and_hopeless_paths_stop_after_the_warm_up():
+    timer = ScriptedTimer({"a": 1.0, "b": 1.2, "c": 10.0})
+    samples = time_paths({"a": None, "b": None, "c": None}, timer, repeats=2, give_up=3.0)
+    assert timer.calls == ["a", "b", "c", "a", "b", "a", "b"]
+    assert samples == {"a": [1.0, 1.0], "b": [1.2, 1.2], "c": [10.0]}
+
+
+def test_the_decision_is_deterministic_given_the_timer():
+    seconds = {"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0}
+    chosen = set()
+    for _ in range(3):
+        m = _moh()
+        with use_impl_probe(ImplProbe(timer=ScriptedTimer(seconds))), torch.no_grad():
+            m(torch.randn(2, 9, 32))
+        chosen.add(m.last_path)
+    assert chosen == {"dense_projections"}
+
+
+# --- the cache ----------------------------------------------------------------------------------
+
+
+def test_cache_is_keyed_by_shape_and_dtype_and_shared_by_identical_layers():
+    timer = ScriptedTimer({**ALL_FAST, "masked_dense": 0.5})
+    a, b = _moh(seed=0), _moh(seed=1)  # same geometry, other weights
+    with use_impl_probe(ImplProbe(timer=timer)) as probe, torch.no_grad():
+        a(torch.randn(2, 9, 32))
+        probed = len(timer.calls)
+        assert probed > 0
+        a(torch.randn(2, 9, 32))
+        b(torch.randn(2, 9, 32))
+        assert len(timer.calls) == probed  # same key: no new timing
+        assert b.path_log["[2, 9, 32] float32"].source == "cache"
+        a(torch.randn(3, 9, 32))  # another batch size probes again
+        assert len(timer.calls) == 2 * probed
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a(torch.randn(3, 9, 32))  # another compute dtype too
+        assert len(timer.calls) == 3 * probed
+        _moh(topk=3)(torch.randn(2, 9, 32))  # another budget too
+        assert len(timer.calls) == 4 * probed
+        assert len(probe.choices) == 4
+
+
+def test_training_never_probes_and_takes_the_masked_path(monkeypatch):
+    m = _moh().train()
+    timer = ScriptedTimer(ALL_FAST)
+    with use_impl_probe(ImplProbe(timer=timer)):
+        m(torch.randn(2, 9, 32)).sum().backward()
+    assert timer.calls == [] and m.last_path is None and m.aux_loss is not None
+
+
+def test_disk_cache_is_read_back_by_another_process_probe(tmp_path):
+    x = torch.randn(2, 9, 32)
+    with use_impl_probe(
+        ImplProbe(timer=ScriptedTimer({**ALL_FAST, "dense_projections": 0.1}), disk_dir=tmp_path)
+    ):
+        with torch.no_grad():
+            _moh()(x)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["choice"]["path"] == "dense_projections"
+    timer = ScriptedTimer(ALL_FAST)
+    m = _moh()
+    with use_impl_probe(ImplProbe(timer=timer, disk_dir=tmp_path)), torch.no_grad():
+        m(x)
+    assert timer.calls == [] and m.last_path == "dense_projections"
+    assert m.path_log["[2, 9, 32] float32"].source == "disk"
+
+
+def test_probe_runs_are_not_counted_as_the_model_s_flops():
+    x = torch.randn(2, 9, 32)
+    m = _moh()
+    timer = ScriptedTimer({**ALL_FAST, "sparse_projections": 0.1}, execute=True)
+    with use_impl_probe(ImplProbe(timer=timer)):
+        first = count_flops(m, x)  # probes (running every path) inside the FLOP counter
+        assert len(timer.calls) > 3
+        assert m.last_path == "sparse_projections"
+        assert first == count_flops(lambda: PATHS["sparse_projections"](m, x))
+
+
+def test_bad_probe_settings_and_impls_name_the_fix():
+    with pytest.raises(ValueError, match="repeats=0"):
+        ImplProbe(repeats=0)
+    with pytest.raises(ValueError, match="margin=1.5"):
+        ImplProbe(margin=1.5)
+    with pytest.raises(
+        ValueError, match=r"impl='head_gather' is not available.*it has: auto, dense, masked_dense"
+    ):
+        _moh(impl="head_gather")
+    m = _moh()
+    with pytest.raises(ValueError, match="impl='fastest' is not known"):
+        m.impl = "fastest"
+
+
+# --- the run record -----------------------------------------------------------------------------
+
+
+def test_record_lists_each_layer_with_its_path_and_device():
+    model = timm.create_model(
+        "visattn_vit_tiny_patch2_8", attn={"name": "moh", "shared_heads": 2, "routed_topk": 2}, num_classes=3
+    ).eval()
+    timer = ScriptedTimer({**ALL_FAST, "dense_projections": 0.1})
+    with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
+        model(torch.randn(2, 1, 8, 8))
+    record = impl_choices(model)
+    json.dumps(record)  # JSON-able
+    assert record["device"] == device_name("cpu") and record["device"]
+    layers = record["layers"]
+    assert [entry["layer"] for entry in layers] == [f"blocks.{i}.attn" for i in range(len(model.blocks))]
+    for entry in layers:
+        assert entry["impl"] == "auto" and entry["path"] == "dense_projections"
+        (choice,) = entry["choices"].values()
+        assert choice["device"] == device_name("cpu") and choice["source"] in ("probe", "cache")
+        assert set(choice["times_ms"]) == {"masked_dense", "dense_projections", "sparse_projections"}
+    assert [e["choices"]["[2, 17, 64] float32"]["source"] for e in layers].count("probe") == 1
+
+
+def test_record_of_fixed_and_plain_layers():
+    model = torch.nn.Sequential(
+        _moh(impl="sparse_projections"), build_attention("mha", 32, num_heads=8).eval()
+    )
+    with torch.no_grad():
+        model(torch.randn(2, 9, 32))
+    first, second = impl_choices(model)["layers"]
+    assert (
+        first["path"] == "sparse_projections" and first["choices"]["[2, 9, 32] float32"]["source"] == "fixed"
+    )
+    assert second == {"layer": "1", "impl": None, "path": "dense", "choices": {}}
+
+
+def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):
+    from visattn.bench.__main__ import main
+
+    out = tmp_path / "paths.json"
+    argv = ["paths", "--shapes", "2,5,16,4", "--budgets", "0.5", "--warmup", "1", "--repeats", "1"]
+    main([*argv, "--threads", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    labels = [r["label"] for r in rows]
+    assert labels[0] == "mha"
+    for prefix, paths in (
+        ("moh-50", ["sparse_projections"]),
+        ("hc-50", ["head_gather", "head_gather_dense_out"]),
+    ):
+        for path in ["masked_dense", "dense_projections", *paths, "auto"]:
+            assert f"{prefix} {path}" in labels
+    auto = {r["label"]: r for r in rows}["hc-50 auto"]
+    assert auto["auto_path"] in ("masked_dense", "dense_projections", "head_gather", "head_gather_dense_out")
+    assert {r["label"]: r for r in rows}["moh-50 masked_dense"]["vs_masked"] == 1.0
+    printed = capsys.readouterr().out
+    assert printed.startswith("Machine: ") and f"auto -> {auto['auto_path']}" in printed

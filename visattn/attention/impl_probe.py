@@ -1,0 +1,262 @@
+"""Choose the fastest exact path of a layer by timing them on the running machine (``impl="auto"``).
+
+Which MoH path is fastest depends on the machine more than on the FLOPs: on a CPU with AMX the
+dense matmuls are so fast that gathers and narrow per-head matmuls lose to the masked dense path at
+every budget, while elsewhere skipping heads pays at large shapes. So ``auto`` measures instead of
+predicting. The first eval forward of a layer at a new *probe key* times every path the layer has,
+interleaved (round-robin, so load from other work slows all alike), and takes the fastest; the
+choice is cached for the process (and, opted in, on disk), so later forwards pay a dict lookup.
+
+Probe key: the device's name (CPU model and vector ISA, or the GPU's name), torch's intra-op
+threads, the torch version, the compute dtype (the autocast dtype under autocast), the input shape
+``[B, N, C]`` and the layer's signature (heads, key/value heads, head width, output width, shared
+heads, routed_topk, routing, router kind). Identical layers of a model share one probe; a new shape
+(e.g. the last, smaller batch) probes again.
+
+Timing: one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
+then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another's best time
+beats it by more than ``margin`` and that path was also faster in every round, so noise cannot
+easily trade it for a path that is really slower. At the study's layer shapes a probe costs about
+(1 + repeats) forwards of each competitive path, once per key and process. The probe runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
+counter), so it neither builds graphs nor counts as the model's work.
+
+Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
+per key under ``${VISATTN_CACHE:-~/.cache/visattn}/impl_choices/``. A choice made on a loaded
+machine stays until the file is removed; the run record says where each choice came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Timer = Callable[[str, Callable[[], object]], float]  # (path name, run) -> seconds of one run
+DISK_ENV = "VISATTN_IMPL_CACHE"
+
+
+@functools.cache
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    name = None
+    if cpuinfo.is_file():
+        lines = cpuinfo.read_text(errors="replace").splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+    return f"{name or platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def device_name(device: torch.device | str) -> str:
+    """The kind of processor a tensor on ``device`` runs on: the GPU's name, or the CPU's model and
+    vector ISA (two CPUs sold under one name but with different vector units differ here)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return _cpu_name()
+    return device.type
+
+
+def wall_timer(path: str, run: Callable[[], object]) -> float:
+    """Seconds of one ``run()``, waiting for queued CUDA work at both ends."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    if sync is not None:
+        sync()
+    start = time.perf_counter()
+    run()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """What ``auto`` chose for one probe key, and the evidence.
+
+    ``source``: ``"probe"`` (timed now), ``"cache"`` (timed earlier in this process), ``"disk"``
+    (timed by an earlier process), ``"fixed"`` (the layer's ``impl`` names the path) or ``"fallback"``
+    (no probe possible: traced, fake or empty input)."""
+
+    path: str
+    device: str
+    source: str
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    times_ms: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """JSON-able fields for a run record."""
+        out = asdict(self)
+        out["shape"] = list(self.shape)
+        return out
+
+    def cached(self, source: str) -> PathChoice:
+        return PathChoice(self.path, self.device, source, self.shape, self.dtype, dict(self.times_ms))
+
+
+def time_paths(
+    runs: Mapping[str, Callable[[], object]], timer: Timer, repeats: int, give_up: float
+) -> dict[str, list[float]]:
+    """Seconds of each timed run per path: one warm-up round, then ``repeats`` interleaved rounds for
+    the paths whose warm-up took at most ``give_up`` times the fastest warm-up (the others keep their
+    warm-up time as their only sample). Calls ``timer(name, run)`` in a fixed order, so a scripted
+    timer gives a fixed result."""
+    warm = {name: timer(name, run) for name, run in runs.items()}
+    fastest = min(warm.values())
+    timed = [name for name in runs if warm[name] <= give_up * fastest]
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(repeats):
+        for name in timed:
+            samples[name].append(timer(name, runs[name]))
+    return {name: samples.get(name) or [warm[name]] for name in runs}
+
+
+def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float) -> str:
+    """The path with the lowest best time, if it beats ``reference`` by more than ``margin`` (a
+    fraction) in its best time and also in every round both were timed in (drift on a shared machine
+    slows both in a round, a burst of load only one); else ``reference``. Ties go to the earlier path."""
+    best = {name: min(times) for name, times in samples.items()}
+    fastest = min(best, key=lambda name: best[name])
+    if reference not in samples or fastest == reference:
+        return fastest
+    paired = zip(samples[fastest], samples[reference], strict=False)
+    if best[fastest] < best[reference] * (1 - margin) and all(a < b for a, b in paired):
+        return fastest
+    return reference
+
+
+def _default_disk_dir() -> Path | None:
+    if os.environ.get(DISK_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return None
+    return Path(os.environ.get("VISATTN_CACHE") or "~/.cache/visattn").expanduser() / "impl_choices"
+
+
+class ImplProbe:
+    """Times paths, picks one and remembers it per probe key (see the module docstring).
+
+    Args:
+        timer: ``(path name, run) -> seconds``; inject a scripted one to test decisions.
+        repeats: timed rounds after the warm-up.
+        margin: how much faster than the reference another path must be to replace it.
+        give_up: paths whose warm-up took more than this times the fastest warm-up are not timed again.
+        disk_dir: directory of the on-disk cache, or None for this process only.
+    """
+
+    def __init__(
+        self,
+        timer: Timer = wall_timer,
+        repeats: int = 3,
+        margin: float = 0.02,
+        give_up: float = 3.0,
+        disk_dir: Path | str | None = None,
+    ) -> None:
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats} must be >= 1 (timed rounds after the warm-up)")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin={margin} must be a fraction in [0, 1)")
+        if give_up < 1:
+            raise ValueError(f"give_up={give_up} must be >= 1 (a ratio to the fastest warm-up)")
+        self.timer = timer
+        self.repeats = repeats
+        self.margin = margin
+        self.give_up = give_up
+        self.disk_dir = Path(disk_dir).expanduser() if disk_dir is not None else None
+        self.choices: dict[tuple, PathChoice] = {}
+
+    def choose(
+        self,
+        key: tuple,
+        runs: Mapping[str, Callable[[], object]],
+        reference: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        device: str,
+    ) -> PathChoice:
+        """The path for ``key``: from this process's cache, the disk cache, or by timing ``runs``."""
+        if key in self.choices:
+            return self.choices[key].cached("cache")
+        choice = self._load(key, runs)
+        if choice is None:
+            with torch.no_grad(), outside_dispatch_modes():
+                samples = time_paths(runs, self.timer, self.repeats, self.give_up)
+            path = pick_path(samples, reference, self.margin)
+            times = {name: round(1e3 * min(s), 4) for name, s in samples.items()}
+            choice = PathChoice(path, device, "probe", tuple(shape), dtype, times)
+            log.info("impl=auto on %s for %s %s: %s (best ms: %s)", device, dtype, list(shape), path, times)
+            self._save(key, choice)
+        self.choices[key] = choice
+        return choice
+
+    def _file(self, key: tuple) -> Path | None:
+        if self.disk_dir is None:
+            return None
+        return self.disk_dir / (hashlib.sha1(repr(key).encode()).hexdigest()[:20] + ".json")
+
+    def _load(self, key: tuple, runs: Mapping[str, object]) -> PathChoice | None:
+        file = self._file(key)
+        if file is None or not file.is_file():
+            return None
+        try:
+            data = json.loads(file.read_text())
+            if data.get("key") != repr(key) or data["choice"]["path"] not in runs:
+                return None
+            fields = {**data["choice"], "shape": tuple(data["choice"]["shape"]), "source": "disk"}
+            return PathChoice(**fields)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("ignoring the unreadable impl choice %s (%s); probing again", file, err)
+            return None
+
+    def _save(self, key: tuple, choice: PathChoice) -> None:
+        file = self._file(key)
+        if file is None:
+            return
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": repr(key), "choice": choice.record()}, indent=1))
+            tmp.replace(file)
+        except OSError as err:
+            log.warning(
+                "could not save the impl choice to %s (%s); it is kept for this process only", file, err
+            )
+
+
+_PROBE = ImplProbe(disk_dir=_default_disk_dir())
+
+
+def impl_probe() -> ImplProbe:
+    """The probe ``impl="auto"`` layers use."""
+    return _PROBE
+
+
+@contextlib.contextmanager
+def use_impl_probe(probe: ImplProbe) -> Iterator[ImplProbe]:
+    """Make ``probe`` the one ``impl="auto"`` layers use inside the block (tests, benchmarks)."""
+    global _PROBE
+    previous, _PROBE = _PROBE, probe
+    try:
+        yield probe
+    finally:
+        _PROBE = previous
+
+
+def outside_dispatch_modes():
+    """A context in which tensor ops escape active dispatch modes (e.g. ``FlopCounterMode``), so a
+    probe's timing runs are not counted as the model's work."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # pragma: no cover (torch without the helper: probe inside the mode)
+        return contextlib.nullcontext()
+    return _disable_current_modes()

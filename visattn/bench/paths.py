@@ -1,0 +1,114 @@
+"""``python -m visattn.bench paths``: every exact MoH inference path, ``impl="auto"`` and head-choice
+routing, against ``mha`` at given layer shapes.
+
+Per shape, dtype and budget, interleaved in the same rounds: MoH (token choice) through each path it
+has (masked dense, dense projections, sparse projections) and through ``auto``; head-choice MoH
+through its paths (masked dense, dense projections, head gather) and ``auto``. Rows give the
+inference time relative to ``mha`` and to the masked dense path of the same routing and budget, and
+for ``auto`` the path its probe chose. Inference only (eval, no grad).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from visattn.attention import build_attention, impl_choices
+
+from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
+from .measure import measure_cases
+from .workload import Workload
+
+ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
+
+
+def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:
+    """``mha``, then per budget and routing one row per path of the layer and one for ``auto``
+    (labels ``moh-50 masked_dense``, ``hc-75 auto``, ...)."""
+    cases = [AttentionCase("mha", "mha", train=False)]
+    for fraction in budgets:
+        shared, topk = moh_budget(shape.heads, fraction)
+        for prefix, routing in ROUTINGS.items():
+            kwargs = {"shared_heads": shared, "routed_topk": topk, "routing": routing}
+            paths = build_attention("moh", shape.dim, num_heads=shape.heads, **kwargs).paths
+            label = f"{prefix}-{round(100 * fraction)}"
+            for impl in (*paths, "auto"):
+                cases.append(AttentionCase(f"{label} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
+    return cases
+
+
+def _chosen_path(work: Workload) -> str | None:
+    """The path an ``impl="auto"`` layer ran last (None for other rows)."""
+    layers = impl_choices(work.module)["layers"]
+    return layers[0]["path"] if layers and layers[0]["impl"] == "auto" else None
+
+
+def _versus_masked(rows: list[dict[str, Any]]) -> None:
+    """Add ``vs_masked``: inference time over the masked dense row of the same routing, budget, dtype."""
+    masked = {
+        (r["label"].split()[0], r["dtype"]): r["infer_ms"]
+        for r in rows
+        if r["label"].endswith(" masked_dense")
+    }
+    for r in rows:
+        ref = masked.get((r["label"].split()[0], r["dtype"]))
+        r["vs_masked"] = r["infer_ms"] / ref if ref and " " in r["label"] else None
+
+
+def run_paths_bench(
+    shapes: list[Shape],
+    budgets: list[float],
+    dtypes: list[str],
+    warmup: int = 2,
+    repeats: int = 10,
+    clock: str = "wall",
+) -> list[dict[str, Any]]:
+    """Rows as ``measure.measure_cases`` gives them (inference keys) plus ``shape``, ``vs_masked`` and
+    ``auto_path``; ratios are to ``mha`` in the same interleaved rounds."""
+    rows = []
+    for shape in shapes:
+        rows += _shape_rows(shape, budgets, dtypes, warmup, repeats, clock)
+    return rows
+
+
+def _shape_rows(
+    shape: Shape, budgets: list[float], dtypes: list[str], warmup: int, repeats: int, clock: str
+) -> list[dict[str, Any]]:
+    """The rows of one layer shape, every case timed in the same interleaved rounds."""
+    works: dict[str, Workload] = {}
+
+    def build(label: str, name: str, kwargs: dict[str, Any]) -> Workload:
+        works[label] = build_attention_workload(name, kwargs, shape)
+        return works[label]
+
+    cases = {c.label: (c, (c.label, c.name, c.kwargs)) for c in path_cases(shape, budgets)}
+    rows = measure_cases(
+        cases, build, dtypes, warmup, repeats, train=False, memory=False, reference="mha", clock=clock
+    )
+    measured = [r for r in rows if "skipped" not in r]
+    for row in measured:
+        row["auto_path"] = _chosen_path(works[row["label"]]) if row["label"].endswith(" auto") else None
+    _versus_masked(measured)
+    return [{"shape": str(shape), **row} for row in rows]
+
+
+def paths_table(rows: list[dict[str, Any]]) -> str:
+    """One markdown table per (shape, dtype): time vs mha and vs the masked dense path, auto's choice."""
+    out: list[str] = []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        if "skipped" not in row:
+            groups.setdefault((row["shape"], row["dtype"]), []).append(row)
+    for (shape, dtype), members in groups.items():
+        out.append(f"\n### {shape}, {dtype}: inference\n")
+        out.append("| variant | path | infer ms | vs mha | vs masked dense |")
+        out.append("|---|---|---|---|---|")
+        for r in members:
+            label, _, impl = r["label"].partition(" ")
+            path = f"auto -> {r['auto_path']}" if r.get("auto_path") else (impl or "-")
+            vs_masked = "-" if r.get("vs_masked") is None else f"{r['vs_masked']:.3f}"
+            out.append(f"| {label} | {path} | {r['infer_ms']:.2f} | {r['infer_ratio']:.3f} | {vs_masked} |")
+    skipped = [r for r in rows if "skipped" in r]
+    if skipped:
+        out.append("\nSkipped:")
+        out += [f"- {r['shape']} {r['label']}: {r['skipped']}" for r in skipped]
+    return "\n".join(out) + "\n"
