@@ -9,7 +9,14 @@ import torch
 
 from visattn import build_attention
 from visattn.attention import impl_choices
-from visattn.attention.impl_probe import ImplProbe, device_name, pick_path, time_paths, use_impl_probe
+from visattn.attention.impl_probe import (
+    ImplProbe,
+    default_timer,
+    device_name,
+    pick_path,
+    time_paths,
+    use_impl_probe,
+)
 from visattn.attention.moh import PATHS
 from visattn.utils.flops import count_flops
 
@@ -116,6 +123,18 @@ def test_the_decision_is_deterministic_given_the_timer():
             m(torch.randn(2, 9, 32))
         chosen.add(m.last_path)
     assert chosen == {"dense_projections"}
+
+
+def test_default_timer_counts_this_thread_s_cpu_time_with_one_thread_only(monkeypatch):
+    """With one intra-op thread, time spent waiting for a core (other processes' load) is not counted."""
+    import visattn.attention.impl_probe as impl_probe
+
+    ticks = iter([10.0, 12.5])
+    monkeypatch.setattr(impl_probe.time, "thread_time", lambda: next(ticks))
+    monkeypatch.setattr(impl_probe.torch, "get_num_threads", lambda: 1)
+    assert default_timer("masked_dense", lambda: None) == 2.5
+    monkeypatch.setattr(impl_probe.torch, "get_num_threads", lambda: 2)
+    assert default_timer("masked_dense", lambda: None) < 1.0  # wall time; the CPU clock is not read
 
 
 # --- the cache ----------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ threads, the torch version, the compute dtype (the autocast dtype under autocast
 heads, routed_topk, routing, router kind). Identical layers of a model share one probe; a new shape
 (e.g. the last, smaller batch) probes again.
 
-Timing: one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
+Timing (``default_timer``: this thread's CPU time with one intra-op thread, wall time with several
+or on CUDA): one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
 then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another's best time
 beats it by more than ``margin`` and that path was also faster in every round, so noise cannot
-easily trade it for a path that is really slower. At the study's layer shapes a probe costs about
-(1 + repeats) forwards of each competitive path, once per key and process. The probe runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
-counter), so it neither builds graphs nor counts as the model's work.
+easily trade it for a path that is really slower. A probe costs about (1 + repeats) forwards of
+each competitive path, once per key and process. It runs under ``torch.no_grad`` and outside any
+dispatch mode (e.g. the FLOP counter), so it neither builds graphs nor counts as the model's work.
 
 Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
 per key under ``${VISATTN_CACHE:-~/.cache/visattn}/impl_choices/``. A choice made on a loaded
@@ -69,9 +70,13 @@ def device_name(device: torch.device | str) -> str:
     return device.type
 
 
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def wall_timer(path: str, run: Callable[[], object]) -> float:
     """Seconds of one ``run()``, waiting for queued CUDA work at both ends."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    sync = torch.cuda.synchronize if _cuda_in_use() else None
     if sync is not None:
         sync()
     start = time.perf_counter()
@@ -79,6 +84,18 @@ def wall_timer(path: str, run: Callable[[], object]) -> float:
     if sync is not None:
         sync()
     return time.perf_counter() - start
+
+
+def default_timer(path: str, run: Callable[[], object]) -> float:
+    """This thread's CPU seconds of one ``run()`` where torch computes on this thread alone (one
+    intra-op thread, no CUDA): time spent waiting for a core taken by other work is not counted, so a
+    loaded machine still compares the paths as an idle one would. Wall time otherwise (several
+    threads: how well a path parallelises is part of its cost)."""
+    if torch.get_num_threads() > 1 or _cuda_in_use():
+        return wall_timer(path, run)
+    start = time.thread_time()
+    run()
+    return time.thread_time() - start
 
 
 @dataclass(frozen=True)
@@ -156,7 +173,7 @@ class ImplProbe:
 
     def __init__(
         self,
-        timer: Timer = wall_timer,
+        timer: Timer = default_timer,
         repeats: int = 3,
         margin: float = 0.02,
         give_up: float = 3.0,
