@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export MALLOC_MMAP_THRESHOLD_ := 33554432
 export MALLOC_TRIM_THRESHOLD_ := 17179869184
 
-.PHONY: demo test lint clean timm-conformance
+.PHONY: demo test lint clean timm-conformance slurm-packages
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,15 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(PY) train_cls.py
 
-test: $(VENV)/.stamp
+test: $(VENV)/.stamp slurm-packages
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The cluster tests (tests/test_slurm.py) bring up a real SLURM from Debian's packages; as root the
+# packages are installed here when missing, elsewhere those tests skip and say why.
+slurm-packages:
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/munged || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get update -qq && apt-get install -y -qq slurm-wlm munge) >/dev/null 2>&1; } \
+	  || echo "note: slurm-wlm / munge not installed: the SLURM cluster tests will skip"
 
 lint: $(VENV)/.stamp
 	$(PY) -m ruff check visattn tests train_cls.py train_dit.py

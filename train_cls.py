@@ -22,8 +22,7 @@ from omegaconf import DictConfig
 
 from visattn.engine.cls_setup import RUN_GROUPS
 from visattn.engine.cls_trainer import run_cls
-from visattn.engine.launch import launched_rank, prepare_entry_point
-from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.launch import launched_rank, prepare_entry_point, reported_failures
 from visattn.engine.training_run import adopt_training_config
 
 log = logging.getLogger(__name__)
@@ -31,14 +30,9 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_cls")
 def main(cfg: DictConfig) -> float:
-    try:
+    with reported_failures():  # a failure is in the run's log; a stop with its state saved exits 75
         cfg = adopt_training_config(cfg, RUN_GROUPS, HydraConfig.get().overrides.task, modes=("eval",))
         results = run_cls(cfg, HydraConfig.get().runtime.output_dir)
-    except Preempted as stop:
-        exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)
-    except (ValueError, FileNotFoundError) as err:  # a bad value or a missing file: the run's log says so too
-        log.error("%s", err)
-        raise
     if launched_rank() == 0:
         summary = {k: results.get(k) for k in ("top1", "top5", "top1_best", "active_ratio", "run_dir")}
         print(json.dumps(summary))

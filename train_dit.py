@@ -19,8 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from visattn.engine.dit_setup import RUN_GROUPS
 from visattn.engine.dit_trainer import run
-from visattn.engine.launch import launched_rank, prepare_entry_point
-from visattn.engine.preempt import Preempted, exit_preempted
+from visattn.engine.launch import launched_rank, prepare_entry_point, reported_failures
 from visattn.engine.training_run import adopt_training_config
 
 log = logging.getLogger(__name__)
@@ -28,14 +27,9 @@ log = logging.getLogger(__name__)
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train_dit")
 def main(cfg: DictConfig) -> None:
-    try:
+    with reported_failures():  # a failure is in the run's log; a stop with its state saved exits 75
         cfg = adopt_training_config(cfg, RUN_GROUPS, HydraConfig.get().overrides.task, modes=("sample", "eval"))
         results = run(OmegaConf.to_container(cfg, resolve=True), HydraConfig.get().runtime.output_dir)
-    except Preempted as stop:
-        exit_preempted(stop)  # checkpoint and results.json are written; exits 75 (or submitit requeues)
-    except (ValueError, FileNotFoundError) as err:  # a bad value or a missing file: the run's log says so too
-        log.error("%s", err)
-        raise
     if launched_rank() == 0:
         summary = {k: v for k, v in results.items() if k != "config"}
         print(json.dumps(summary, indent=2, default=str))

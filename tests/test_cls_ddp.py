@@ -1,8 +1,12 @@
 """train_cls.py under torchrun with 2 CPU processes (gloo): one run dir, one results.json."""
 
+import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,3 +40,38 @@ def test_torchrun_two_processes_share_one_run_dir(tmp_path):
     assert len(state_rngs) == 2 and not torch.equal(state_rngs[0]["torch"], state_rngs[1]["torch"])
     summary = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(summary) == 1 and json.loads(summary[0])["top1"] == results["top1"]
+
+
+def test_a_resumed_ddp_run_logs_the_losses_of_an_uninterrupted_one(tmp_path):
+    """SIGUSR1 to rank 0 in epoch 2 of a 2-process run, then a resume: every rank's running sums were
+    reduced into the checkpoint, so epoch 2's logged loss is the uninterrupted run's (it was rank 0's alone)."""
+    tiny = [*TINY, "train.batch_size=16", "train.epochs=2"]  # 89 steps an epoch: a stop lands mid-epoch
+
+    def torchrun(run_dir, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "train_cls.py"), *tiny, *extra, f"hydra.run.dir={run_dir}"]
+        return subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    whole = torchrun(tmp_path / "whole")
+    stopped = torchrun(tmp_path / "stopped")
+    metrics = tmp_path / "stopped" / "metrics.csv"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        assert stopped.poll() is None, stopped.stdout.read()[-3000:]
+        time.sleep(0.05)
+    lock = json.loads((tmp_path / "stopped" / ".run.lock").read_text())  # rank 0 holds it
+    os.kill(lock["pid"], signal.SIGUSR1)
+    out, _ = stopped.communicate(timeout=240)
+    assert stopped.returncode != 0 and "stopped by SIGUSR1" in out, out[-3000:]
+    assert latest_checkpoint(tmp_path / "stopped").state()["batches"] > 0  # mid-epoch
+    resumed = torchrun(tmp_path / "stopped")
+    for proc in (resumed, whole):
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+
+    def losses(run_dir):
+        with open(run_dir / "metrics.csv") as f:
+            return [(row["epoch"], row["loss"]) for row in csv.DictReader(f)]
+
+    assert losses(tmp_path / "stopped") == losses(tmp_path / "whole")

@@ -213,8 +213,10 @@ def test_sigterm_saves_and_exits_then_the_run_resumes_to_completion(tmp_path):
     results = json.loads((run_dir / "results.json").read_text())
     assert results["completed"] is False and results["preempted"] is True and results["train_steps"] == found.step
     assert not (run_dir / LOCK_FILE).exists()
-    done = run_dit(dit_cfg(f"train.steps={found.step + 2}", "resume=true"), run_dir)
+    # a shorter training than the checkpoint's run: another run, continued only when asked (run_identity)
+    done = run_dit(dit_cfg(f"train.steps={found.step + 2}", "resume=true", "force_resume=true"), run_dir)
     assert done["completed"] is True and done["train_steps"] == found.step + 2
+    assert done["resumed_despite"] == {"train.steps": [100000, found.step + 2]}
     assert json.loads((run_dir / "results.json").read_text())["completed"] is True
 
 
@@ -269,43 +271,81 @@ def test_default_run_dirs_differ_for_runs_started_in_the_same_second():
     assert OmegaConf.create({"d": "x-${pid:}"}).d == f"x-{os.getpid()}"
 
 
-def test_stop_signal_hands_submitits_requeue_signal_on_after_saving():
-    from visattn.engine.preempt import StopSignal, exit_preempted
+def test_a_stop_signal_anywhere_in_a_run_is_recorded_and_the_run_stops_at_its_next_safe_point():
+    """Start-up, a training step, the final evaluation: the signal never kills the process mid-way;
+    the run saves and raises ``Preempted`` where it checks (``stop_checked`` for evaluation batches)."""
+    from visattn.engine.preempt import StopSignal, stop_checked
 
-    requeued = []
-    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: requeued.append(signum))  # as submitit does
-    try:
-        with StopSignal() as stop:
-            with stop.deferred():  # the training loop
-                os.kill(os.getpid(), signal.SIGUSR2)
-                assert stop.requested and not requeued  # nothing stops mid-step
-                stopped = stop.preempted(step=7)
-            with pytest.raises(SystemExit) as exited:
-                exit_preempted(stopped)
-            assert requeued == [signal.SIGUSR2] and exited.value.code == PREEMPTED_EXIT_CODE
-            os.kill(os.getpid(), signal.SIGUSR2)  # outside the loop (e.g. the final evaluation): at once
-            assert requeued == [signal.SIGUSR2] * 2
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal changes nothing
+        assert stop.received == signal.SIGUSR1
+        seen = []
+        with pytest.raises(Preempted, match="SIGUSR1 after step 7"):
+            for batch in stop_checked([1, 2, 3], stop, step=7, device=torch.device("cpu")):
+                seen.append(batch)
+        assert seen == []  # checked before each batch
+    with StopSignal() as quiet:
+        assert list(stop_checked([1, 2, 3], quiet, step=0, device=torch.device("cpu"))) == [1, 2, 3]
 
 
-def test_a_requeued_slurm_job_takes_over_its_own_lock_from_another_host(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slurm, rank, expected", [(False, "0", PREEMPTED_EXIT_CODE), (False, "1", PREEMPTED_EXIT_CODE),
+                                                   (True, "0", PREEMPTED_EXIT_CODE), (True, "1", 0)])
+def test_exit_codes_after_a_saved_stop(monkeypatch, slurm, rank, expected):
+    """75 (try again) everywhere, except the other ranks of a SLURM step: 0, so that srun's
+    --kill-on-bad-exit cannot stop rank 0 while it requeues the job."""
+    from visattn.engine.preempt import exit_preempted
+
+    for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR", "SUBMITIT_FOLDER"):
+        monkeypatch.delenv(var, raising=False)
+    if slurm:
+        monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exited:
+        exit_preempted(Preempted(signal.SIGUSR2, 5))
+    assert exited.value.code == expected
+
+
+def test_a_submitit_job_that_was_not_requeued_fails_instead_of_leaving_the_sweep_waiting(monkeypatch):
+    from visattn.engine.preempt import exit_preempted
+
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    stopped = Preempted(signal.SIGUSR2, 5)
+    stopped.not_requeued = "timed-out too many times"
+    with pytest.raises(RuntimeError, match="not requeued: timed-out too many times"):
+        exit_preempted(stopped)
+
+
+def test_a_requeued_slurm_job_takes_over_the_lock_of_its_earlier_instance_only(tmp_path, monkeypatch):
+    """Same job id and a lower restart count: an instance SLURM has ended (on any host). Same job and
+    restart on another host: another task of this very job, alive as far as anyone can tell."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "4242"}))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "4242", "slurm_restart": 0}))
     with RunLock(tmp_path):
         pass
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "999"}))
+    lock.write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "4242", "slurm_restart": 1}))
+    with pytest.raises(RunDirBusy, match="pid 1 on host node-a"):
+        RunLock(tmp_path).acquire()
+    lock.write_text(json.dumps({"host": "node-a", "pid": 1, "slurm_job_id": "999"}))
     with pytest.raises(RunDirBusy, match="pid 1 on host node-a"):
         RunLock(tmp_path).acquire()
 
 
-def test_a_rank_stopped_by_another_ranks_signal_exits_preempted_without_a_handler():
-    """Under DDP the ranks agree on stopping: a rank that got no signal itself still stops as
-    preempted (exit 75), and does not run a requeue handler it never received a signal for."""
-    from visattn.engine.preempt import Preempted, StopSignal
+def test_an_unreadable_lock_is_not_taken_over(tmp_path):
+    (tmp_path / LOCK_FILE).write_text("")
+    with pytest.raises(RunDirBusy, match=f"unreadable lock file.*delete {tmp_path / LOCK_FILE}"):
+        RunLock(tmp_path).acquire()
+
+
+def test_a_rank_stopped_by_another_ranks_signal_exits_preempted():
+    """Under DDP the ranks agree on stopping: a rank that got no signal itself still stops as preempted."""
+    from visattn.engine.preempt import StopSignal
 
     with StopSignal() as stop:
         assert not stop.requested
         stopped = stop.preempted(step=3)
-    assert isinstance(stopped, Preempted) and stopped.signum == signal.SIGTERM
-    assert stopped.step == 3 and stopped.previous_handler is None
+    assert isinstance(stopped, Preempted) and stopped.signum == signal.SIGTERM and stopped.step == 3

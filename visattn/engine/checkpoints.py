@@ -6,7 +6,8 @@ Layout (both tasks)::
         model.safetensors   the trained weights (safetensors; metadata: step)
         ema.safetensors     the EMA weights, when the run keeps them
         state.pt            optimizer, step, data position, every rank's RNG, ... (torch.load(weights_only=True))
-        manifest.json       written last: format, step, every file and its size
+        manifest.json       written last: format, step, every file and its size, and the config that
+                            defines the run (``run``: see ``run_identity``)
         evaluation.json     optional, added after the save: the evaluation of these weights (``record_evaluation``)
 
 A save writes ``step-N.tmp-<pid>/``, fsyncs every file, writes the manifest, renames the folder to
@@ -72,6 +73,7 @@ class Checkpoint:
     path: Path
     step: int
     files: tuple[str, ...]
+    run: dict[str, Any] | None = None  # the run definition it was saved under (None: an older checkpoint)
 
     def weights(self, name: str = MODEL_WEIGHTS) -> dict[str, torch.Tensor]:
         if name not in self.files:
@@ -121,7 +123,8 @@ def verify_checkpoint(path: str | Path) -> Checkpoint:
         if actual != size:
             raise ValueError(f"{file} should be {size} bytes as {manifest_path} records, but is "
                              f"{'missing' if actual is None else f'{actual} bytes'}; the checkpoint is damaged")
-    return Checkpoint(path, step, tuple(files))
+    run = manifest.get("run")
+    return Checkpoint(path, step, tuple(files), run if isinstance(run, dict) else None)
 
 
 def step_dirs(run_dir: str | Path) -> list[Path]:
@@ -155,9 +158,10 @@ def resolve_checkpoint(path: str | Path) -> Checkpoint:
     return found
 
 
-def _write_manifest(folder: Path, step: int) -> None:
+def _write_manifest(folder: Path, step: int, run: Mapping[str, Any] | None) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    text = json.dumps({"format": FORMAT, "step": step, "files": files}, indent=2) + "\n"
+    manifest = {"format": FORMAT, "step": step, "files": files, **({"run": dict(run)} if run is not None else {})}
+    text = json.dumps(manifest, indent=2, default=str) + "\n"
     with open(folder / MANIFEST, "w") as f:  # the folder itself is the temp: a plain write is enough
         f.write(text)
         f.flush()
@@ -166,9 +170,10 @@ def _write_manifest(folder: Path, step: int) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, weights: Mapping[str, Mapping[str, torch.Tensor]],
-                    state: Mapping[str, Any]) -> Checkpoint:
+                    state: Mapping[str, Any], run: Mapping[str, Any] | None = None) -> Checkpoint:
     """Save one checkpoint (``weights``: file name -> state dict, e.g. ``{MODEL_WEIGHTS: ...}``;
-    ``state``: the training state, which must hold ``step``). Returns it; older ones are deleted."""
+    ``state``: the training state, which must hold ``step``; ``run``: the run definition,
+    ``run_identity.run_definition``). Returns it; older ones are deleted."""
     if state.get("step") != step:
         raise ValueError(f"state['step']={state.get('step')} differs from the step {step} being saved")
     root = checkpoints_root(run_dir)
@@ -185,13 +190,13 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: Mapping[str, Mappin
     for name, tensors in weights.items():
         save_weights(temp / name, tensors, {"step": str(step)})
     save_train_state(temp / TRAIN_STATE, state)
-    _write_manifest(temp, step)
+    _write_manifest(temp, step, run)
     os.rename(temp, final)
     fsync_dir(root)
     for older in step_dirs(run_dir):
         if older != final:
             shutil.rmtree(older, ignore_errors=True)
-    return Checkpoint(final, step, tuple(p.name for p in final.iterdir()))
+    return verify_checkpoint(final)
 
 
 def record_evaluation(run_dir: str | Path, step: int, record: Mapping[str, Any]) -> None:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from .distributed import all_reduce_sum
 from .head_load import HeadLoadMeter
+from .preempt import StopSignal, stop_checked
 from .results import Throughput
 
 
@@ -23,15 +24,19 @@ def evaluate(
     num_classes: int,
     amp_dtype: torch.dtype | None = None,
     head_load: HeadLoadMeter | None = None,
+    stop: StopSignal | None = None,
+    step: int = 0,
 ) -> dict[str, float]:
-    """Top-1 / top-5 accuracy (fractions), mean cross-entropy and images/s over every rank's shard."""
+    """Top-1 / top-5 accuracy (fractions), mean cross-entropy and images/s over every rank's shard.
+    ``stop``: a stop signal ends the evaluation after the current batch with ``Preempted`` at ``step``
+    (the checkpoint that holds these weights)."""
     was_training = model.training
     model.eval()
     k = min(5, num_classes)
     totals = torch.zeros(4, device=device, dtype=torch.float64)  # correct@1, correct@k, loss sum, count
     timer = Throughput(device)
     autocast = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    for images, labels in loader:
+    for images, labels in stop_checked(loader, stop, step, device):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         timer.start()
         with autocast:

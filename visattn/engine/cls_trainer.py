@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.loss import SoftTargetCrossEntropy
 from tqdm import tqdm
 
-from visattn.attention import active_heads, aux_loss
+from visattn.attention import active_heads, aux_loss, impl_choices
 from visattn.data.datasets import build_datasets
 from visattn.data.images import skipped_files
 from visattn.data.loaders import build_loaders, build_mixup
@@ -70,6 +70,7 @@ from .results import (
     write_json,
     write_results,
 )
+from .run_identity import run_definition
 from .runlog import MetricsLogger
 from .step import StepGate, clip_and_norm
 from .training_run import refuse_to_overwrite_training
@@ -110,6 +111,7 @@ class ClsRun:
         self.device = dist_info.device
         self.run_dir = ctx.run_dir
         self.stop = ctx.stop
+        self.resume_notes = ctx.resume_notes  # an accepted config change on resume (run_identity)
         self.clock = RunClock()  # every process of this run, across resumes (in the checkpoints)
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
 
@@ -159,9 +161,12 @@ class ClsRun:
         return self.amp.autocast(self.device)
 
     # ---------------------------------------------------------------- evaluation
-    def _evaluate(self, model: nn.Module, with_head_load: bool = False) -> tuple[dict[str, float], dict | None]:
+    def _evaluate(self, model: nn.Module, with_head_load: bool = False, step: int = 0) -> tuple[dict[str, float], dict | None]:
+        """Top-1 etc. of ``model`` (the weights of the checkpoint of ``step``); a stop signal ends it with
+        ``Preempted`` after the current batch."""
         meter = HeadLoadMeter(model, self.cfg.data.num_classes, self.device) if with_head_load else None
-        metrics = evaluate(model, self.val_loader, self.device, self.cfg.data.num_classes, self.amp_dtype, meter)
+        metrics = evaluate(model, self.val_loader, self.device, self.cfg.data.num_classes, self.amp_dtype, meter,
+                           stop=self.stop, step=step)
         return metrics, (meter.reduce(self.classes) if meter is not None else None)
 
     def eval(self) -> dict[str, Any]:
@@ -179,8 +184,7 @@ class ClsRun:
         """Train (resuming per ``cfg.resume``); results.json records a finished run, a preempted one
         (``completed: false, preempted: true``) or a failed one (``completed: false, failure``)."""
         try:
-            with self.stop.deferred():  # a stop signal is acted on after the step or evaluation it arrives in
-                return self._train()
+            return self._train()
         except NonFiniteError as err:
             if self.dist.is_main:
                 write_results(self.run_dir, {**self._summary(), "completed": False, "failure": err.failure})
@@ -255,7 +259,8 @@ class ClsRun:
                     if stop and batches < steps_per_epoch:  # at the epoch's end, the end-of-epoch save serves
                         timer.stop(epoch_images)
                         self.trained.add(epoch_images, timer.seconds)
-                        pos = _Position(epoch, batches, pos.step, pos.best, sums.cpu())
+                        # every rank's sums, so that the resumed epoch logs what an uninterrupted one would
+                        pos = _Position(epoch, batches, pos.step, pos.best, self._rank0_total(sums))
                         self._save_last(model, optimizer, ema, guard, pos)
                         raise self._preempted(pos.step)
             pos.batches, pos.sums = 0, torch.zeros(3, dtype=torch.float64)
@@ -284,7 +289,7 @@ class ClsRun:
                 break
         logger.close()
         if not metrics:  # a finished run resumed from a checkpoint saved before evaluations were recorded
-            metrics, _ = self._evaluate(unwrap_model(model))  # the last evaluation was of these weights
+            metrics, _ = self._evaluate(unwrap_model(model), step=pos.step)  # the last evaluation was of these weights
         rate = self.trained.overall_rate  # one rank's, over every process; None when a checkpoint kept no counts
         results = {
             **self._summary(), **metrics, "top1_best": pos.best, "epochs": cfg.train.epochs,
@@ -302,6 +307,12 @@ class ClsRun:
             write_results(self.run_dir, {**self._summary(), "completed": False, "preempted": True,
                                          "train_steps": step, "epochs": self.cfg.train.epochs})
         return self.stop.preempted(step)
+
+    def _rank0_total(self, sums: torch.Tensor) -> torch.Tensor:
+        """The running sums of every rank, on rank 0 (zeros elsewhere): what a checkpoint saves, so that
+        the epoch's all-reduce after a resume counts each rank's share once."""
+        total = all_reduce_sum(sums.clone()).cpu()
+        return total if self.dist.is_main else torch.zeros_like(total)
 
     def _stop_requested(self) -> bool:
         """Whether a stop signal reached any rank (one all-reduce, so every rank gives the same answer)."""
@@ -328,7 +339,10 @@ class ClsRun:
                               logger: MetricsLogger) -> dict[str, float]:
         """The evaluation of the epoch just saved (``pos.epoch`` epochs, step ``pos.step``): logs ``row``
         with the metrics, records them in the checkpoint, then acts on a stop signal that came meanwhile."""
-        metrics = self._evaluate_epoch(model, ema, row, pos, pos.epoch - 1)
+        try:
+            metrics = self._evaluate_epoch(model, ema, row, pos, pos.epoch - 1)
+        except Preempted:  # the checkpoint is saved with this evaluation pending: a resume runs it
+            raise self._preempted(pos.step) from None
         logger.log(row)
         if self.dist.is_main:
             record_evaluation(self.run_dir, pos.step, {"metrics": metrics, "best_top1": pos.best})
@@ -339,7 +353,7 @@ class ClsRun:
     def _evaluate_epoch(self, model, ema, row: dict[str, Any], pos: _Position, epoch: int) -> dict[str, float]:
         """Evaluate after an epoch: fills ``row``, updates ``pos.best``, saves best.safetensors."""
         cfg, dist = self.cfg, self.dist
-        metrics, load = self._evaluate(unwrap_model(model), with_head_load=self.routed)
+        metrics, load = self._evaluate(unwrap_model(model), with_head_load=self.routed, step=pos.step)
         row.update(metrics)
         pos.best = max(pos.best, metrics["top1"])
         if load is not None:
@@ -348,7 +362,7 @@ class ClsRun:
                 write_json(self.run_dir / HEAD_LOAD_FILE, load)
         if ema is not None:
             row["top1_ema"] = evaluate(ema.module, self.val_loader, self.device, cfg.data.num_classes,
-                                       self.amp_dtype)["top1"]
+                                       self.amp_dtype, stop=self.stop, step=pos.step)["top1"]
         weights = unwrap_model(model).state_dict()
         require_finite(weights, BEST_WEIGHTS, pos.step)  # on every rank, so all of them stop together
         if metrics["top1"] >= pos.best and dist.is_main:
@@ -374,7 +388,8 @@ class ClsRun:
                 "throughput": self.trained.state_dict(), "clock": self.clock.state_dict(),
                 "amp": self.amp.record(),
             }
-            save_checkpoint(self.run_dir, pos.step, weights, state)
+            save_checkpoint(self.run_dir, pos.step, weights, state,
+                            run=run_definition(OmegaConf.to_container(self.cfg, resolve=True)))
         barrier()
 
     def _resume(self, found: Checkpoint, state: dict[str, Any], optimizer, ema,
@@ -395,7 +410,8 @@ class ClsRun:
                         self.dist.world_size, state["world_size"])
         log.info("resumed from %s at epoch %d, batch %d (step %d)", found.path, state["epoch"], state["batches"],
                  state["step"])
-        pos = _Position(state["epoch"], state["batches"], state["step"], state["best_top1"], state["epoch_sums"])
+        sums = state["epoch_sums"] if self.dist.is_main else torch.zeros_like(state["epoch_sums"])  # see _rank0_total
+        pos = _Position(state["epoch"], state["batches"], state["step"], state["best_top1"], sums)
         return pos, state.get("pending_eval_row")
 
     def _summary(self) -> dict[str, Any]:
@@ -412,8 +428,10 @@ class ClsRun:
             "active_head_flops_per_image": active_head_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), **self.clock.record(self.device),
             "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "attention_paths": impl_choices(model),  # which exact path each layer ran (MoH impl=auto's probe)
             # data.bad_images=skip: what this process left out (each rank verifies and skips alike)
             "skipped_files": skipped_files(self.train_set, self.val_set),
+            **self.resume_notes,
         }
 
 
@@ -424,7 +442,7 @@ def run_cls(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     validate_cls_config(cfg, world_size)
     refuse_to_overwrite_training(run_dir, cfg.mode)
     resume_dir = cfg.resume if isinstance(cfg.resume, str) and cfg.resume != "auto" else run_dir
-    with launched(cfg.device, cfg.train.num_threads, resume_dir) as ctx:
+    with launched(cfg.device, cfg.train.num_threads, resume_dir, OmegaConf.to_container(cfg, resolve=True)) as ctx:
         run = ClsRun(cfg, ctx)
         results = run.eval() if cfg.mode == "eval" else run.train()
         barrier()

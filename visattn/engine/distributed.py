@@ -101,6 +101,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over ranks."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], device=device, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def cleanup_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

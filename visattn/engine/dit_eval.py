@@ -24,6 +24,7 @@ from visattn.engine.distributed import (
 from visattn.engine.dit_data import build_codec
 from visattn.engine.dit_sampling import agreement_labels, all_labels, build_scorer, generate_all, save_samples
 from visattn.engine.dit_setup import build_diffusion, build_model, sample_settings
+from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
     Throughput,
     count_params,
@@ -58,10 +59,12 @@ def run_info(model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo) -> dict[s
 
 
 def evaluate_model(
-    model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, scorer, save: bool
+    model: nn.Module, cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, scorer, save: bool,
+    stop: StopSignal | None = None, step: int = 0,
 ) -> dict[str, Any]:
     """Sample ``eval.num_samples`` images with ``model`` on every rank and score them on rank 0.
-    Returns (on every rank) the scores and what they were measured with."""
+    Returns (on every rank) the scores and what they were measured with. ``stop``: a stop signal ends
+    the sampling with ``Preempted`` at ``step`` (the checkpoint that holds ``model``)."""
     num_samples = int(cfg["eval"]["num_samples"])
     decode = build_codec(cfg, dist.device)
     settings = sample_settings(cfg)
@@ -69,7 +72,7 @@ def evaluate_model(
     timer.start()
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
     images = generate_all(model, diffusion, decode, settings, dist, num_samples, run_dir,
-                          progress=bool(cfg["train"]["progress"]))
+                          progress=bool(cfg["train"]["progress"]), stop=stop, step=step)
     timer.stop(num_samples)
     scores: dict[str, Any] = {}
     if dist.is_main:
@@ -111,13 +114,13 @@ def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
     return model.to(device).eval()
 
 
-def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
     model = load_for_sampling(cfg, dist.device)
     num_samples = int(cfg["sample"]["num_samples"])
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
     images = generate_all(
         model, diffusion, build_codec(cfg, dist.device), sample_settings(cfg), dist, num_samples, run_dir,
-        progress=bool(cfg["train"]["progress"]),
+        progress=bool(cfg["train"]["progress"]), stop=stop,
     )
     if not dist.is_main:
         return {}
@@ -126,9 +129,10 @@ def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[s
     return {"samples": str(path), "num_samples": num_samples}
 
 
-def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
+def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
     model = load_for_sampling(cfg, dist.device)
     scorer = build_scorer(cfg) if dist.is_main else None
     results = run_info(model, cfg, dist)
-    results.update(evaluate_model(model, cfg, dist, run_dir, scorer, save=True))
+    results.update(evaluate_model(model, cfg, dist, run_dir, scorer, save=True, stop=stop))
+    results["attention_paths"] = visattn.attention.impl_choices(model)  # after the evaluation's forwards
     return results

@@ -16,12 +16,15 @@ from visattn.engine.distributed import (
     DistInfo,
 )
 from visattn.engine.dit_data import image_source
+from visattn.engine.preempt import StopSignal, stop_checked
 
 log = logging.getLogger(__name__)
 
 
-def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) -> dict[str, Any]:
-    """Encode the training split with the SD VAE into ``data.latents`` (single process)."""
+def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path,
+                       stop: StopSignal | None = None) -> dict[str, Any]:
+    """Encode the training split with the SD VAE into ``data.latents`` (single process). A stop signal
+    ends it after the current batch (``Preempted``; run it again to encode afresh)."""
     from visattn.data.latents import to_unit_range, write_latent_cache
     from visattn.models.vae import load_sd_vae
 
@@ -36,7 +39,8 @@ def cache_latents_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path) ->
     batch = int(cfg["cache"]["batch_size"])
 
     def batches():
-        for start in tqdm(range(0, count, batch), desc="encoding"):
+        starts = stop_checked(range(0, count, batch), stop, 0, dist.device)
+        for start in tqdm(starts, total=-(-count // batch), desc="encoding"):
             images, labels = source.take(start, min(start + batch, count))
             x = to_unit_range(torch.from_numpy(np.ascontiguousarray(images)))
             if rgb and x.shape[1] == 1:

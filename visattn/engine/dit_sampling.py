@@ -23,6 +23,7 @@ from visattn.data.latents import to_uint8
 from visattn.data.registry import domain_extractor, is_array_dataset
 from visattn.diffusion import GaussianDiffusion, sample_generators, sample_loop, sampling_fn
 from visattn.engine.distributed import DistInfo, barrier
+from visattn.engine.preempt import StopSignal, stop_checked
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, dataset_images, save_npz_batch
 from visattn.metrics.agreement import LABEL_EXTRACTORS
 from visattn.utils.checkpoint import atomic_write_bytes
@@ -49,18 +50,22 @@ def generate(
     sample_cfg: Mapping[str, Any],
     device: torch.device,
     progress: bool = False,
+    stop: StopSignal | None = None,
+    step: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Samples of the given global indices -> (uint8 [n, H, W, C], labels [n]).
 
     Each index has its own seed for the initial noise, every step's noise and its label, so the
-    result does not depend on the batch or process that draws it.
+    result does not depend on the batch or process that draws it. ``stop``: a stop signal ends the
+    sampling after the current batch with ``Preempted`` at ``step`` (the checkpoint sampled from).
     """
     model.eval()
     shape = (model.in_channels, model.input_size, model.input_size)
     labels = sample_labels(seed, indices, model.num_classes)
     batch = int(sample_cfg["batch_size"])
     out = []
-    for start in tqdm(range(0, len(indices), batch), desc="sampling", disable=not progress):
+    starts = stop_checked(range(0, len(indices), batch), stop, step, device)
+    for start in tqdm(starts, total=-(-len(indices) // batch), desc="sampling", disable=not progress):
         part = indices[start : start + batch]
         y = labels[start : start + batch].to(device)
         fn = sampling_fn(model, y, float(sample_cfg["cfg_scale"]), sample_cfg.get("guided_channels"))
@@ -82,14 +87,14 @@ def all_labels(sample_cfg: Mapping[str, Any], num_samples: int, num_classes: int
 
 def generate_all(
     model: nn.Module, diffusion: GaussianDiffusion, decode, sample_cfg: Mapping[str, Any], dist: DistInfo,
-    num_samples: int, run_dir: Path, progress: bool = True,
+    num_samples: int, run_dir: Path, progress: bool = True, stop: StopSignal | None = None, step: int = 0,
 ) -> np.ndarray | None:
     """All ``num_samples`` samples (uint8 [N, H, W, C]); rank r draws indices r, r + world, ...
     Under DDP each rank writes its part to the run dir and rank 0 merges them in index order
     (no all-gather of images through memory). Rank 0 gets the array, the others None."""
     indices = list(range(dist.rank, num_samples, dist.world_size))
     images, _ = generate(model, diffusion, decode, indices, int(sample_cfg["seed"]), sample_cfg,
-                         dist.device, progress=progress and dist.is_main)
+                         dist.device, progress=progress and dist.is_main, stop=stop, step=step)
     if not dist.distributed:
         return images
     part = run_dir / f".samples-rank{dist.rank}.npy"

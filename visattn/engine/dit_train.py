@@ -50,6 +50,7 @@ from visattn.engine.results import (
     Throughput,
     write_json,
 )
+from visattn.engine.run_identity import run_definition
 from visattn.engine.runlog import MetricsLogger
 from visattn.engine.step import StepGate, clip_and_norm
 from visattn.utils.checkpoint import rng_state, set_rng_state
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 def save_training_checkpoint(
     run_dir: Path, model: nn.Module, ema: ModelEMA, opt, step: int, batches: EpochBatches, dist: DistInfo,
     guard: NonFiniteGuard, extra: Mapping[str, Any] | None = None, timer: Throughput | None = None,
-    clock: RunClock | None = None, loss_window: torch.Tensor | None = None,
+    clock: RunClock | None = None, loss_window: torch.Tensor | None = None, run: Mapping[str, Any] | None = None,
 ) -> None:
     """One checkpoint unit (``checkpoints/step-N/``: model + EMA weights, optimizer, step, data
     position, every rank's RNG, the guard's counts, ``extra`` (e.g. fid_step0) and the loss sums of
@@ -82,7 +83,7 @@ def save_training_checkpoint(
             "throughput": timer.state_dict() if timer is not None else None,
             "clock": clock.state_dict() if clock is not None else None,
             "loss_window": window,
-        })
+        }, run=run)
     barrier()
 
 
@@ -159,7 +160,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     metrics.drop_after(step)
 
     if step == 0 and cfg["eval"]["enabled"] and cfg["eval"]["fid_step0"]:
-        scores = evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=False)
+        scores = evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=False, stop=stop, step=0)
         if dist.is_main:
             results["fid_step0"] = scores["fid"]
             log.info("step 0: FID %.2f", scores["fid"])
@@ -179,55 +180,55 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     timed_images = 0  # since the timer's span started; the span ends (one sync) at a log or a save
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (tcfg["progress"] and dist.is_main),
                dynamic_ncols=True)
-    with stop.deferred():  # a stop signal is acted on after the step it arrives in
-        while step < total_steps:
-            if not timer.running:
-                timer.start()
-            x, y = data.batch(next(stream))
-            x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
-            t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
-            schedule.apply(opt, step)
-            with autocast:
-                terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
-                diffusion_loss = terms["loss"].mean()
-                aux = visattn.aux_loss(model)
-                loss = diffusion_loss + aux_weight * aux
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
-            apply, stop_now = gate.decide(step, loss, norm)
-            if apply:
-                opt.step()
-                ema.update(model)
-            timed_images += x.shape[0] * dist.world_size
-            step += 1
-            log_now = step % int(tcfg["log_every"]) == 0 or step == total_steps
-            save_now = step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now
-            if log_now or save_now:
-                timer.stop(timed_images)
-                timed_images = 0
-            if apply:
-                running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
-                                        torch.ones((), device=dist.device)])
-            bar.update(1)
-            if log_now:
-                loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
-                loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
-                running.zero_()
-                row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
-                       "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
-                metrics.log(row)
-                bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
-                if dist.is_main:
-                    log.info("step %d/%d: loss %.4f aux %.3f (%.1f images/s)", step, total_steps, loss_mean,
-                             aux_mean, timer.rate)
-            if save_now:
-                save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
-                                         timer=timer, clock=clock, loss_window=running)
-            if stop_now:
-                bar.close()
-                metrics.close()
-                raise stop.preempted(step)
+    definition = run_definition(cfg)
+    while step < total_steps:
+        if not timer.running:
+            timer.start()
+        x, y = data.batch(next(stream))
+        x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
+        t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
+        schedule.apply(opt, step)
+        with autocast:
+            terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
+            diffusion_loss = terms["loss"].mean()
+            aux = visattn.aux_loss(model)
+            loss = diffusion_loss + aux_weight * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
+        apply, stop_now = gate.decide(step, loss, norm)
+        if apply:
+            opt.step()
+            ema.update(model)
+        timed_images += x.shape[0] * dist.world_size
+        step += 1
+        log_now = step % int(tcfg["log_every"]) == 0 or step == total_steps
+        save_now = step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now
+        if log_now or save_now:
+            timer.stop(timed_images)
+            timed_images = 0
+        if apply:
+            running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
+                                    torch.ones((), device=dist.device)])
+        bar.update(1)
+        if log_now:
+            loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
+            loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
+            running.zero_()
+            row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
+                   "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
+            metrics.log(row)
+            bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
+            if dist.is_main:
+                log.info("step %d/%d: loss %.4f aux %.3f (%.1f images/s)", step, total_steps, loss_mean,
+                         aux_mean, timer.rate)
+        if save_now:
+            save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
+                                     timer=timer, clock=clock, loss_window=running, run=definition)
+        if stop_now:
+            bar.close()
+            metrics.close()
+            raise stop.preempted(step)
     bar.close()
     metrics.close()
     results.update(info)
@@ -242,7 +243,8 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
         if dist.is_main:
             write_json(run_dir / HEAD_LOAD_FILE, load)
     if cfg["eval"]["enabled"]:
-        results.update(evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=True))
+        results.update(evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=True, stop=stop, step=step))
+    results["attention_paths"] = visattn.attention.impl_choices(ema.module)  # after the evaluation's forwards
     return results
 
 

@@ -38,20 +38,21 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> dict[str, Any]:
     cfg = validate_dit_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     mode = cfg["mode"]
     refuse_to_overwrite_training(Path(run_dir), mode)
-    with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir) as ctx:
+    with launched(cfg["device"], cfg["train"].get("num_threads"), run_dir, dict(cfg)) as ctx:
         dist, run_dir = ctx.dist, ctx.run_dir
         clock = RunClock()  # training: every process of the run (train keeps it in the checkpoints)
 
         def finish(results: dict[str, Any]) -> dict[str, Any]:
             if dist.is_main:
                 results.setdefault("task", "dit")
-                results.update({"mode": mode, **clock.record(dist.device),
+                results.update({"mode": mode, "world_size": dist.world_size, **ctx.resume_notes, **clock.record(dist.device),
                                 "peak_memory_mb": peak_memory_mb(dist.device), "config": dict(cfg)})
                 write_results(run_dir, results)
             return results
 
         try:
-            results = MODES[mode](cfg, dist, run_dir, ctx.stop, clock) if mode == "train" else MODES[mode](cfg, dist, run_dir)
+            results = MODES[mode](cfg, dist, run_dir, ctx.stop, clock) if mode == "train" else \
+                MODES[mode](cfg, dist, run_dir, ctx.stop)
         except Preempted as stopped:
             finish({"task": "dit", "completed": False, "preempted": True, "train_steps": stopped.step})
             raise

@@ -1,9 +1,13 @@
 """The launch layer both entry points share: Hydra under torchrun / SLURM, threads, the process
-group, one run dir agreed by all ranks, logging, the run-dir lock, leftovers of interrupted saves,
-and the stop signals (preemption).
+group, one run dir agreed by all ranks, logging, the run-dir lock, the run's identity, leftovers of
+interrupted saves, and the stop signals (preemption, with the requeue under SLURM).
 
-    with launched(cfg.device, cfg.train.num_threads, run_dir) as ctx:   # ctx.dist, ctx.run_dir, ctx.stop
+    with launched(cfg.device, cfg.train.num_threads, run_dir, config) as ctx:   # ctx.dist, ctx.run_dir, ctx.stop
         ...
+
+Whatever starts a process (``python``, ``torchrun``, ``srun``, submitit's pickled task function),
+``prepare_process`` runs first in it: under a multi-task SLURM step it sets torchrun's variables, so
+an N-task job is one run of N processes.
 """
 
 from __future__ import annotations
@@ -22,14 +26,19 @@ import torch
 from omegaconf import OmegaConf
 
 from visattn.utils.allocator import tune_glibc_malloc
+from visattn.utils.checkpoint import atomic_write_bytes
 
-from .checkpoints import remove_stale
+from .checkpoints import checkpoint_to_resume, remove_stale
 from .distributed import DistInfo, broadcast_object, cleanup_distributed, init_distributed
-from .preempt import StopSignal
+from .preempt import Preempted, StopSignal, exit_preempted
+from .run_identity import check_same_run, run_definition
 from .runlock import RunDirBusy, RunLock, refuse_busy_run_dir
 from .runlog import setup_logging
+from .slurm import export_task_env, in_slurm_job, request_requeue
 
 log = logging.getLogger(__name__)
+
+HYDRA_RECORD_DIR = ".hydra"
 
 
 def register_resolvers() -> None:
@@ -38,8 +47,8 @@ def register_resolvers() -> None:
 
 
 def launched_rank() -> int:
-    """This process's rank as torchrun set it (0 when not launched by torchrun); valid before and
-    after the process group exists."""
+    """This process's rank as torchrun (or ``prepare_process`` under SLURM) set it (0 in a single
+    process); valid before and after the process group exists."""
     return int(os.environ.get("RANK", "0"))
 
 
@@ -49,16 +58,6 @@ def worker_rank_overrides(argv: Sequence[str]) -> list[str]:
     if launched_rank() == 0 or "-m" in argv or "--multirun" in argv:
         return []
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
-
-
-def export_slurm_env() -> None:
-    """Under a multi-task SLURM job started by submitit (hydra/launcher=slurm), set the torchrun
-    variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from SLURM's."""
-    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) < 2 or "SUBMITIT_FOLDER" not in os.environ:
-        return
-    from submitit.helpers import TorchDistributedEnvironment
-
-    TorchDistributedEnvironment().export()
 
 
 def agreed_run_dir(local_run_dir: str | Path) -> Path:
@@ -78,6 +77,7 @@ class Launched:
     dist: DistInfo
     run_dir: Path
     stop: StopSignal
+    resume_notes: dict  # what results.json records of an accepted config change on resume (run_identity)
 
 
 @contextlib.contextmanager
@@ -102,10 +102,64 @@ def hold_run_dir(run_dir: Path, dist: DistInfo) -> Iterator[None]:
         lock.release()
 
 
+def check_run_identity(run_dir: Path, config: dict, dist: DistInfo) -> dict:
+    """Rank 0 compares the run dir's checkpoint with this run (``run_identity``); every rank gets the
+    notes for results.json or raises the same ``RunMismatch``."""
+    outcome: tuple[str, object] = ("ok", {})
+    if dist.is_main and config.get("mode", "train") == "train" and config.get("resume") not in (False, None):
+        found = checkpoint_to_resume("auto", run_dir)
+        if found is not None:
+            try:
+                outcome = ("ok", check_same_run(found.run, run_definition(config), run_dir, found.step,
+                                                bool(config.get("force_resume"))))
+            except ValueError as err:
+                outcome = ("refused", str(err))
+    kind, value = broadcast_object(outcome)
+    if kind == "refused":
+        from .run_identity import RunMismatch
+
+        raise RunMismatch(value)
+    return dict(value)
+
+
+def save_hydra_record(run_dir: Path, config: dict) -> None:
+    """``RUN_DIR/.hydra/{config,hydra,overrides}.yaml``, as Hydra writes them, once the run is known to
+    own the dir (the configs set ``hydra.output_subdir: null`` so that Hydra itself does not write them
+    before the run-dir lock and the identity check)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    folder = run_dir / HYDRA_RECORD_DIR
+    folder.mkdir(exist_ok=True)
+    files = {"config.yaml": OmegaConf.create(config)}
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.get()
+        files.update({"hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}), "overrides.yaml": hydra_cfg.overrides.task})
+    for name, node in files.items():
+        atomic_write_bytes(folder / name, OmegaConf.to_yaml(node).encode())
+
+
+def stop_and_requeue(stop: Preempted, dist: DistInfo, signals: StopSignal) -> None:
+    """After a stop's checkpoint, under SLURM: rank 0 asks for the requeue (submitit's protocol, or
+    ``scontrol requeue``); ``stop.not_requeued`` says why it was refused. No collective: a stop during
+    the final evaluation reaches the ranks at different batches. The other ranks exit 0 afterwards
+    (``exit_preempted``), so ``srun --kill-on-bad-exit`` cannot stop rank 0 before it has asked."""
+    if not (in_slurm_job() and dist.is_main):
+        return
+    stop.not_requeued = request_requeue(stop.signum, signals.previous_handlers())
+    if stop.not_requeued is None:
+        log.warning("SLURM job requeued: it resumes from the checkpoint of step %d", stop.step)
+    else:
+        log.warning("the SLURM job was not requeued (%s); run it again in the same run dir to resume",
+                    stop.not_requeued)
+
+
 @contextlib.contextmanager
-def launched(device: str, num_threads: int | None, local_run_dir: str | Path) -> Iterator[Launched]:
-    """Threads, process group (torchrun), logging, the agreed run dir, its lock and the stop
-    signals, undone on exit. ``device``: auto | cpu | cuda."""
+def launched(device: str, num_threads: int | None, local_run_dir: str | Path,
+             config: dict | None = None) -> Iterator[Launched]:
+    """Threads, process group, logging, the agreed run dir, its lock, the run's identity (``config``:
+    the run's plain config; a training's checkpoint in the dir must be this run's), the record of the
+    config in ``.hydra/``, and the stop signals, undone on exit. ``device``: auto | cpu | cuda.
+    A ``Preempted`` raised inside is followed by the requeue under SLURM (``stop_and_requeue``)."""
     if num_threads:
         torch.set_num_threads(int(num_threads))
     dist = init_distributed(None if device == "auto" else device)
@@ -114,19 +168,49 @@ def launched(device: str, num_threads: int | None, local_run_dir: str | Path) ->
         run_dir = agreed_run_dir(local_run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         with hold_run_dir(run_dir, dist), StopSignal() as stop:
-            yield Launched(dist, run_dir, stop)
+            notes = check_run_identity(run_dir, config, dist) if config is not None else {}
+            if dist.is_main and config is not None:
+                save_hydra_record(run_dir, config)
+            try:
+                yield Launched(dist, run_dir, stop, notes)
+            except Preempted as stopped:
+                stop_and_requeue(stopped, dist, stop)
+                raise
     finally:
         cleanup_distributed()
 
 
-def prepare_entry_point(argv: list[str]) -> None:
-    """What both entry points do before ``@hydra.main`` runs: keep freed buffers in the process, take
-    SLURM's rank variables, register our resolvers, refuse a run dir held by a live run (before Hydra
-    writes ``.hydra/`` into it), and point torchrun's other ranks at rank 0's run dir. Edits ``argv``
-    (``sys.argv``) in place."""
+@contextlib.contextmanager
+def reported_failures() -> Iterator[None]:
+    """Around an entry point's work: a stop with its state saved exits as ``exit_preempted`` says; any
+    failure goes to the run's log (every rank's, as Hydra configured it) before it propagates, so
+    under a launcher that keeps exceptions elsewhere (submitit's result pickle) the log still says why."""
+    try:
+        yield
+    except Preempted as stop:
+        exit_preempted(stop)
+    except (ValueError, FileNotFoundError) as err:  # a bad value or a missing file: the message says it all
+        log.error("%s", err)
+        raise
+    except Exception:
+        log.exception("the run failed")
+        raise
+
+
+def prepare_process() -> None:
+    """What every process of a run does before Hydra composes its config, whoever started it (the
+    entry points' ``__main__``, the SLURM launcher in a submitit job): keep freed buffers in the
+    process, take torchrun's variables from a multi-task SLURM step, register our resolvers."""
     tune_glibc_malloc()
-    export_slurm_env()
+    export_task_env()
     register_resolvers()
+
+
+def prepare_entry_point(argv: list[str]) -> None:
+    """What both entry points do before ``@hydra.main`` runs: ``prepare_process``, refuse a run dir
+    held by a live run (before Hydra opens its log there), and point the other ranks at rank 0's
+    run dir. Edits ``argv`` (``sys.argv``) in place."""
+    prepare_process()
     if launched_rank() == 0:  # (other ranks share rank 0's run dir, which rank 0 may hold already)
         try:
             refuse_busy_run_dir(argv[1:])

@@ -1,11 +1,14 @@
-"""One live run per run dir: ``RUN_DIR/.run.lock`` names the holder (host, pid, SLURM job, start).
+"""One live run per run dir: ``RUN_DIR/.run.lock`` names the holder (host, pid, SLURM job and its
+restart count, start).
 
-Taking the lock is an ``O_EXCL`` create, so two processes cannot both get it. An existing lock is
-taken over (with a log line) when its holder is gone: same host and the pid is not alive, or the same
-SLURM job id (a requeued job: SLURM never runs two instances of one job). A lock held by a live
-process, or by a process on another host (whose liveness cannot be checked), is refused with a
-message that names the holder and the fix (wait, pick another run dir, or delete the lock file if
-that process is certainly dead).
+Taking the lock is atomic with its content (a complete file linked into place, which fails when the
+name exists), so two processes cannot both get it and no lock is ever empty. An existing lock is
+taken over (with a log line) only when its holder is certainly gone: on the same host, its pid is
+not alive; or it was an earlier instance of this SLURM job (same job id, lower restart count: SLURM
+never runs two instances of one job, and a requeued job may land on another host). Everything else
+is refused with a message that names the holder and the fix (wait, pick another run dir, or delete
+the lock file if that process is certainly dead): a live process, a process on another host (whose
+liveness cannot be checked, e.g. another task of this very job), an unreadable lock.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
-EMPTY_LOCK_STALE_S = 10.0  # a lock file still empty / unreadable after this long was left by a crash
 
 
 class RunDirBusy(RuntimeError):
@@ -41,15 +43,19 @@ def _pid_alive(pid: int) -> bool:
 
 def _holder() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),  # requeues so far
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
 
 
 def _is_stale(other: dict[str, Any], me: dict[str, Any]) -> bool:
-    if other.get("pid") == -1:
-        return True
-    if other.get("slurm_job_id") and other.get("slurm_job_id") == me["slurm_job_id"]:
-        return other.get("host") != me["host"] or not _pid_alive(int(other.get("pid", -1)))
-    return other.get("host") == me["host"] and not _pid_alive(int(other.get("pid", -1)))
+    """Whether the holder ``other`` is certainly gone (never guessed: an unknown is a live holder)."""
+    job = other.get("slurm_job_id")
+    if job and job == me["slurm_job_id"] and int(other.get("slurm_restart") or 0) < me["slurm_restart"]:
+        return True  # an earlier instance of this job, which SLURM has ended before requeueing it
+    pid = other.get("pid")
+    if other.get("host") != me["host"] or not isinstance(pid, int):
+        return False
+    return not _pid_alive(pid)
 
 
 def busy_message(path: Path, other: dict[str, Any]) -> str:
@@ -79,43 +85,39 @@ class RunLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            except FileExistsError:
-                other = self.live_holder()
-                if other is not None:
-                    raise RunDirBusy(busy_message(self.path, other)) from None
-                other = self._read() or {}
-                log.warning("taking over %s from pid %s on %s, which is no longer running",
-                            self.path, other.get("pid"), other.get("host"))
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
-            self.held = True
-            return
+        temp = self.path.with_name(f"{LOCK_FILE}.{socket.gethostname()}.{os.getpid()}")
+        temp.write_text(json.dumps(self.me))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(temp, self.path)  # atomic, and fails when the lock exists
+                except FileExistsError:
+                    other = self.live_holder()
+                    if other is not None:
+                        raise RunDirBusy(busy_message(self.path, other)) from None
+                    other = self._read() or {}
+                    log.warning("taking over %s from pid %s on %s (SLURM job %s, restart %s), which is no longer "
+                                "running", self.path, other.get("pid"), other.get("host"), other.get("slurm_job_id"),
+                                other.get("slurm_restart"))
+                    self.path.unlink(missing_ok=True)
+                    continue
+                self.held = True
+                return
+        finally:
+            temp.unlink(missing_ok=True)
         raise RunDirBusy(f"could not take {self.path}: other processes keep creating it")
 
     def live_holder(self) -> dict[str, Any] | None:
         """What the lock file says of its holder when that process may still run; None when the
-        lock is free or stale (its holder is gone)."""
+        lock is free or stale (its holder is certainly gone)."""
         if not self.path.exists():
             return None
         other = self._read()
-        if other is None:  # being written this instant, or left empty by a crash: look again
-            time.sleep(0.2)
-            other = self._read()
-        if other is None and self._age() > EMPTY_LOCK_STALE_S:
-            return None  # an unreadable, old lock: nobody holds it
-        other = other or {}
+        if other is None:
+            if not self.path.exists():
+                return None
+            return {"pid": "?", "host": "?", "started": "?", "argv": f"unreadable lock file {self.path}"}
         return None if _is_stale(other, self.me) else other
-
-    def _age(self) -> float:
-        try:
-            return time.time() - self.path.stat().st_mtime
-        except OSError:
-            return 0.0
 
     def _read(self) -> dict[str, Any] | None:
         try:

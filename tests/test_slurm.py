@@ -1,0 +1,311 @@
+"""The cluster path on a real SLURM (Debian's slurm-wlm + munge, brought up by ``slurm_cluster``):
+hydra/launcher=slurm_cpu sweeps, multi-task jobs as one DDP run, every stop requeued and finished
+bit-identical to an uninterrupted run, and a two-node job. Skipped, saying why, where SLURM cannot
+be brought up (packages missing, not root).
+
+Jobs run concurrently where they can (the node declares more CPUs than the machine has), so the
+module takes about as long as its slowest job: a time-limited one, requeued by SLURM's own signal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from slurm_cluster import SlurmCluster, unavailable
+from test_engine_faults import ONE_PRECISION
+
+from visattn.engine.checkpoints import MODEL_WEIGHTS, latest_checkpoint
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[1]
+CLS = [
+    "+model.kwargs.embed_dim=16", "+model.kwargs.depth=2", "+model.kwargs.num_heads=4", "attn=mha",
+    "sched.warmup_epochs=0", "train.batch_size=128", "train.tensorboard=false", "train.progress=false",
+    "train.num_threads=1", "aug=none", "device=cpu", ONE_PRECISION,
+]
+DIT = [
+    "dit.preset=DiT-T/2", "attn=mha", "+dit.overrides.hidden_size=32", "+dit.overrides.depth=2",
+    "train.batch_size=8", "train.log_every=1", "train.tensorboard=false", "train.progress=false",
+    "train.num_threads=1", "device=cpu", ONE_PRECISION,
+]
+LAUNCHER = ["hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+            "hydra.launcher.partition=steady"]
+STOP_EPOCHS = "train.epochs=20"  # long enough to be stopped mid-run, short enough for the suite
+TIME_LIMIT_EPOCHS = "train.epochs=40"  # still training when SLURM's time-limit signal comes (5-35 s in)
+DIT_SAMPLING = [*DIT, "train.steps=2", "eval.num_samples=48", "sample.batch_size=2", "sample.steps=50",
+                "eval.head_load_images=0", "eval.fid_step0=false"]
+
+
+def env(cluster: SlurmCluster) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+@pytest.fixture(autouse=True)
+def cleanup():
+    """A failed test leaves no -m process waiting for its jobs."""
+    yield
+    while Sweep.running:
+        proc = Sweep.running.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), cpus=32) as up:
+        yield up
+
+
+class Sweep:
+    """``python train_*.py -m hydra/launcher=slurm_cpu ...`` running in the background (ended, if still
+    running, when the test ends: see ``cleanup``)."""
+
+    running: list[subprocess.Popen] = []
+
+    def __init__(self, cluster: SlurmCluster, folder: Path, script: str, *overrides: str) -> None:
+        self.cluster, self.dir = cluster, folder
+        cmd = [sys.executable, str(ROOT / script), "-m", *LAUNCHER, *overrides, f"hydra.sweep.dir={folder}",
+               "hydra.sweep.subdir=${hydra.job.num}"]
+        self.proc = subprocess.Popen(cmd, cwd=folder.parent, env=env(cluster), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        Sweep.running.append(self.proc)
+
+    def run_dirs(self) -> list[Path]:
+        return sorted(p for p in self.dir.iterdir() if p.is_dir() and p.name[0].isdigit()) if self.dir.is_dir() else []
+
+    def job_id(self, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [p.name for p in (self.dir / ".submitit").glob("*") if re.fullmatch(r"\d+(_\d+)?", p.name)]
+            if found:
+                return sorted(found)[0]
+            time.sleep(0.2)
+        raise TimeoutError(f"no job submitted by {self.dir}")
+
+    def wait_training(self, sitting: int, timeout: float = 240) -> None:
+        """Until the job's ``sitting``-th run (0: the first; n: after n resumes) has trained an epoch."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for run_dir in self.run_dirs():
+                log = _log(run_dir, "train_cls")
+                if log.count("resumed from") == sitting and re.search(r"epoch \d+/\d+: loss", log.split("resumed from")[-1]):
+                    return
+            assert self.proc.poll() is None, self.output()
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.dir}: sitting {sitting} trained no epoch after {timeout:.0f} s")
+
+    def output(self) -> str:
+        return self.proc.stdout.read() if self.proc.poll() is not None else "(running)"
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, "\n".join(line for line in out.splitlines() if "sacct" not in line
+                                               and "accounting storage" not in line)
+
+
+def direct_run(cluster, folder: Path, script: str, *overrides: str, ranks: int = 1) -> Path:
+    """The same run outside SLURM (``python`` or ``torchrun``): the uninterrupted reference."""
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={ranks}"]
+    clean = {k: v for k, v in env(cluster).items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen([*launcher, str(ROOT / script), *overrides, f"hydra.run.dir={folder}"],
+                            cwd=folder.parent, env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.folder = folder
+    return proc
+
+
+def finished(proc) -> Path:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    return proc.folder
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(latest_checkpoint(run_dir).path / MODEL_WEIGHTS)
+
+
+def assert_same_weights(run_dir: Path, reference: Path) -> None:
+    got, want = final_weights(run_dir), final_weights(reference)
+    assert got.keys() == want.keys()
+    different = [k for k in want if not (got[k] == want[k]).all()]
+    assert not different, f"{run_dir} differs from the uninterrupted run in {different[:5]}"
+
+
+def results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_a_request_no_node_can_hold_is_refused_before_submission(cluster, tmp_path):
+    """The GPU preset on a CPU-only cluster: refused at once with the numbers, no job left pending."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train_cls.py"), "-m", "hydra/launcher=slurm",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}", *CLS, "train.epochs=1"],
+                          cwd=tmp_path, env=env(cluster), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert re.search(r"no 1 node\(s\) of the default partition can ever run this job: asked for 1 node\(s\) each "
+                     r"with 8 tasks x 10 CPUs = 80 CPUs, 8 GPUs, 480 GB; 0 of its 1 node\(s\) fit, the largest "
+                     rf"\({cluster.nodes[0]}\) has 32 CPUs, 0 GPUs", proc.stderr), proc.stderr[-2000:]
+    assert "hydra/launcher=slurm_cpu" in proc.stderr
+    assert not (tmp_path / "sweep" / ".submitit").exists()  # nothing was submitted
+
+
+@pytest.fixture(scope="module")
+def references(cluster, tmp_path_factory):
+    """The uninterrupted runs the cluster's runs are compared with, started at once, in the background."""
+    folder = tmp_path_factory.mktemp("references")
+    return {
+        "stop": direct_run(cluster, folder / "stop", "train_cls.py", *CLS, STOP_EPOCHS),
+        "limited": direct_run(cluster, folder / "limited", "train_cls.py", *CLS, TIME_LIMIT_EPOCHS),
+        "ddp_cls": direct_run(cluster, folder / "ddp_cls", "train_cls.py", *CLS, "train.epochs=2", ranks=2),
+        "ddp_dit": direct_run(cluster, folder / "ddp_dit", "train_dit.py", *DIT, "train.steps=4", "eval.enabled=false",
+                              ranks=2),
+        "dit": direct_run(cluster, folder / "dit", "train_dit.py", *DIT_SAMPLING),
+    }
+
+
+def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, references, tmp_path):
+    """All at once on the one node (each job its own -m process):
+
+    - a two-job sweep (attn=mha,moh);
+    - a two-task job of each task: one DDP run (one run dir, world_size 2), the weights of
+      ``torchrun --nproc_per_node=2``;
+    - a classification job stopped in turn by SIGUSR2 (submitit's signal), SIGUSR1, SIGTERM sent alone
+      (``scancel --signal=TERM``) and ``scontrol requeue``, and another stopped by SLURM's time limit:
+      each time requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an
+      uninterrupted run;
+    - a DiT job stopped during its final sampling: requeued, it samples without training again;
+    - a failing two-task job: the sweep fails, the run's log says why.
+    """
+    two_tasks = ["hydra.launcher.tasks_per_node=2"]
+    sweeps = {
+        "sweep": Sweep(cluster, tmp_path / "sweep", "train_cls.py", *CLS, "train.epochs=1", "attn=mha,moh"),
+        "ddp_cls": Sweep(cluster, tmp_path / "ddp_cls", "train_cls.py", *CLS, "train.epochs=2", *two_tasks),
+        "ddp_dit": Sweep(cluster, tmp_path / "ddp_dit", "train_dit.py", *DIT, "train.steps=4", "eval.enabled=false",
+                         *two_tasks),
+        "failing": Sweep(cluster, tmp_path / "failing", "train_cls.py", *CLS, "train.batch_size=129", *two_tasks),
+        "dit_sampling": Sweep(cluster, tmp_path / "dit_sampling", "train_dit.py", *DIT_SAMPLING),
+        "stops": Sweep(cluster, tmp_path / "stops", "train_cls.py", *CLS, STOP_EPOCHS),
+        # SLURM signals SIGUSR2 at its first time-limit check (every 30 s) after limit - signal_delay_s - 30 s:
+        # 5-35 s into the 1-minute job
+        "time_limit": Sweep(cluster, tmp_path / "time_limit", "train_cls.py", *CLS, TIME_LIMIT_EPOCHS,
+                            "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=25"),
+    }
+    stops, limited = sweeps["stops"], sweeps["time_limit"]
+    commands = [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"], ["scancel", "--signal=TERM"],
+                ["scontrol", "requeue"]]
+    dit_run = _wait_for(lambda: next((d for d in sweeps["dit_sampling"].run_dirs()
+                                      if (d / "checkpoints" / "step-000000002").is_dir()), None))
+    _signal(cluster, ["scancel", "--signal=TERM"], sweeps["dit_sampling"].job_id())  # it samples now
+    for sitting, command in enumerate(commands):
+        stops.wait_training(sitting)
+        _signal(cluster, command, stops.job_id())
+    # once SLURM's own signal has requeued the time-limited job, its next sitting may run to the end
+    limited_dir = _wait_for(lambda: next((d for d in limited.run_dirs() if "Requeued job" in _log(d, "train_cls")),
+                                         None), timeout=240)
+    cluster.scontrol("update", f"JobId={limited.job_id()}", "TimeLimit=10")
+
+    outcomes = {name: sweep.finish() for name, sweep in sweeps.items()}
+    for name, (code, out) in outcomes.items():
+        if name != "failing":
+            assert code == 0, f"{name}: {out[-3000:]}"
+
+    # the sweep: two runs, each complete
+    runs = sweeps["sweep"].run_dirs()
+    assert len(runs) == 2 and all(results(r)["completed"] for r in runs)
+    assert sorted(results(r)["attn"] for r in runs) == ["mha", "moh"]
+
+    # two tasks = one run of two processes, equal to torchrun's
+    for name in ("ddp_cls", "ddp_dit"):
+        (run_dir,) = sweeps[name].run_dirs()
+        assert results(run_dir)["world_size"] == 2 and results(run_dir)["completed"] is True
+        assert_same_weights(run_dir, finished(references[name]))
+
+    # every stop: requeued, resumed, and the same weights as the uninterrupted run
+    (stops_dir,) = stops.run_dirs()
+    log = _log(stops_dir, "train_cls")
+    for signal_name in ("SIGUSR2", "SIGUSR1", "SIGTERM"):
+        assert f"received {signal_name}" in log, log[-3000:]
+    assert log.count("resumed from") == len(commands) and results(stops_dir)["completed"] is True
+    assert_same_weights(stops_dir, finished(references["stop"]))
+    assert "this job is timed-out" in _log(limited_dir, "train_cls")  # SLURM's signal; submitit counted a time-out
+    assert "resumed from" in _log(limited_dir, "train_cls") and results(limited_dir)["completed"] is True
+    assert_same_weights(limited_dir, finished(references["limited"]))
+
+    # DiT stopped while sampling: the requeued job sampled without a training step, scores as uninterrupted
+    log = _log(dit_run, "train_dit")
+    assert "resumed from" in log and "step 2/2" not in log.split("resumed from")[1], log[-2000:]
+    got, want = results(dit_run), results(finished(references["dit"]))
+    assert got["completed"] is True and got["fid"] == want["fid"] and got["train_steps"] == 2
+
+    # a failing job fails its sweep, and its run's log says why
+    code, out = outcomes["failing"]
+    assert code != 0
+    (run_dir,) = sweeps["failing"].run_dirs()
+    assert "train.batch_size=129" in _log(run_dir, "train_cls")
+
+
+def test_a_preempted_job_is_requeued_and_finishes_bit_identical(cluster, references, tmp_path):
+    """A job of the low-priority partition (debug) holding the node's CPUs is preempted (REQUEUE) by a
+    job of the urgent partition; it comes back and ends as the uninterrupted run."""
+    victim = Sweep(cluster, tmp_path / "victim", "train_cls.py", *CLS, STOP_EPOCHS, "hydra.launcher.partition=debug",
+                   "hydra.launcher.cpus_per_task=32")
+    victim.wait_training(0)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-c", "32", "-o", str(tmp_path / "urgent.out"),
+                             "--wrap", "sleep 1"], env=cluster.env, capture_output=True, text=True, check=True)
+    assert cluster.wait_state(urgent.stdout.strip(), "COMPLETED", timeout=120) == "COMPLETED"
+    code, out = victim.finish()
+    assert code == 0, out[-3000:]
+    (run_dir,) = victim.run_dirs()
+    assert "resumed from" in _log(run_dir, "train_cls")
+    assert_same_weights(run_dir, finished(references["stop"]))
+
+
+def test_a_two_node_job_is_one_run(references, tmp_path_factory, tmp_path):
+    """Two slurmd nodes, each in its own network namespace with its own address: one task per node,
+    rendezvous at the first node, one run dir, the weights of torchrun with two processes."""
+    why = unavailable(nodes=2)
+    if why:
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2, cpus=4) as two:
+        sweep = Sweep(two, tmp_path / "sweep", "train_cls.py", *CLS, "train.epochs=2", "hydra.launcher.nodes=2",
+                      "hydra.launcher.partition=debug")
+        code, out = sweep.finish()
+        assert code == 0, out[-3000:]
+    (run_dir,) = sweep.run_dirs()
+    assert results(run_dir)["world_size"] == 2
+    assert "taking over" not in _log(run_dir, "train_cls")
+    assert_same_weights(run_dir, finished(references["ddp_cls"]))
+
+
+def _signal(cluster: SlurmCluster, command: list[str], job_id: str) -> None:
+    done = subprocess.run([*command, job_id], env=cluster.env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{command} {job_id}: {done.stderr} (job {cluster.job_state(job_id)})"
+
+
+def _log(run_dir: Path, name: str) -> str:
+    path = run_dir / f"{name}.log"
+    return path.read_text() if path.is_file() else ""
+
+
+def _wait_for(find, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = find()
+        if found is not None:
+            return found
+        time.sleep(0.2)
+    raise TimeoutError("the awaited file did not appear")
