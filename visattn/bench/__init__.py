@@ -1,5 +1,5 @@
-"""Benchmark harness: every attention variant, and whole models, side by side
-(``python -m visattn.bench attention|model --help``)."""
+"""Benchmark harness: every attention variant, and whole models, side by side; the training loops
+against a bare PyTorch loop (``python -m visattn.bench attention|model|paths|loop --help``)."""
 
 from .attention import AttentionCase, Shape, attention_cases, moh_budget, run_attention_bench
 from .models import MODEL_PRESETS, run_model_bench

@@ -1,4 +1,4 @@
-"""CLI: ``python -m visattn.bench attention|model|paths ...``.
+"""CLI: ``python -m visattn.bench attention|model|paths|loop ...``.
 
 Prints a markdown table and writes every measurement (raw samples included) to ``--out`` as JSON.
 Ratios are to the reference (``mha``) measured in the same interleaved rounds; report those, not
@@ -21,6 +21,7 @@ from visattn.utils.checks import int_at_least
 from visattn.utils.machine import describe_machine, machine_line
 
 from .attention import Shape, run_attention_bench
+from .loop import TASKS, loop_table, run_loop_bench
 from .models import MODEL_PRESETS, run_model_bench
 from .paths import paths_table, run_paths_bench
 from .report import markdown_table
@@ -82,6 +83,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mod.add_argument("--batch", type=int_at_least(1), default=32)
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     _common(mod)
+    loop = sub.add_parser("loop", help="the engine's training step vs a bare PyTorch loop, per task (overhead)")
+    loop.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    loop.add_argument("--vit", default="small_patch16_224", help="classification: a ViT preset (visattn.models.vit)")
+    loop.add_argument("--vit-batch", type=int_at_least(1), default=32)
+    loop.add_argument("--vit-kwargs", nargs="*", default=None, help="key=value overrides of the ViT preset")
+    loop.add_argument("--dit", default="DiT-S/2", help="generation: a DiT preset (visattn.models.dit)")
+    loop.add_argument("--dit-batch", type=int_at_least(1), default=8)
+    loop.add_argument("--dit-kwargs", nargs="*", default=None, help="key=value overrides, e.g. depth=2 input_size=8")
+    loop.add_argument("--attn", default=None, help="attention of both models (default: mha / the DiT preset's)")
+    loop.add_argument("--clip", type=float, default=None, help="clip gradients (both loops) at this norm")
+    loop.add_argument("--log-every", type=int_at_least(1), default=10,
+                      help="steps per timed block; our loop reads its counters once per block, as at a log point")
+    loop.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    _common(loop)
+    loop.set_defaults(dtypes=["fp32"], warmup=1, repeats=10)
     return parser.parse_args(argv)
 
 
@@ -103,7 +119,17 @@ def main(argv: list[str] | None = None) -> dict:
         "malloc_tuned": tuned,
         "memory_measure": "resident-set high-water mark growth during one call (VmHWM after clear_refs)",
     }
-    if args.mode == "attention":
+    if args.mode == "loop":
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if args.device == "auto" else args.device)
+        if device.type == "cuda" and args.clock == "cpu":
+            raise SystemExit("loop --clock cpu times this process's CPU, not the GPU's work; use --clock wall on CUDA")
+        meta["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {machine['cpu']}"
+        rows = run_loop_bench(args.tasks, device, args.dtypes, args.vit, args.vit_batch, args.vit_kwargs, args.dit,
+                              args.dit_batch, args.dit_kwargs, args.attn, args.clip, args.repeats, args.warmup,
+                              args.log_every, clock=args.clock)
+        table = loop_table(rows)
+    elif args.mode == "attention":
         shapes = [Shape.parse(s) for s in args.shapes]
         variants = args.variants or list_attentions()
         rows = run_attention_bench(
@@ -142,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.out)
-    sys.stdout.write(f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\n{table}")
+    device_line = f"Device: {meta['device']}\n" if "device" in meta else ""
+    sys.stdout.write(f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\n"
+                     f"{device_line}{table}")
     return result
 
 

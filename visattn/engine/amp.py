@@ -179,3 +179,19 @@ def choose_amp(setting: Any, device: torch.device, probe: StepProbe | None = Non
         choice = AmpChoice(None, f"auto: no bf16 policy for device type {device.type}")
     log.info("mixed precision: %s (%s)", choice.name, choice.reason)
     return choice
+
+
+def apply_tf32(enabled: bool, device: torch.device | str) -> bool:
+    """``train.tf32``: on a CUDA device, let fp32 matmuls (cuBLAS) and cuDNN convolutions run in TF32, as
+    DiT's and timm's training scripts do (the fp32 work of a ``train.amp=none`` run, of the EMA
+    model and of the metrics' feature extractor; ~10 mantissa bits instead of 23, at several times
+    the speed on Ampere and later), or keep both in full fp32 (``false``). Other devices are left as
+    they are. Returns whether TF32 is on for this run (results.json's ``tf32``)."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"train.tf32={enabled!r} must be true or false")
+    if torch.device(device).type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    log.info("TF32 for fp32 matmuls and convolutions: %s (train.tf32)", "on" if enabled else "off")
+    return enabled

@@ -95,6 +95,13 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
     require_count("train.eval_batch_size", train.eval_batch_size, why=" (per process)")
     require_count("train.eval_every", train.eval_every)
     require_count("train.max_nonfinite_steps", train.max_nonfinite_steps, minimum=0)
+    require_count("train.log_every", train.get("log_every", 50))
+    if not isinstance(train.get("tf32", True), bool):
+        raise ValueError(f"train.tf32={train.tf32!r} must be true or false")
+    compile_setting = train.get("compile", False)
+    if not (isinstance(compile_setting, bool) or (isinstance(compile_setting, str) and compile_setting)):
+        raise ValueError(f"train.compile={compile_setting!r} must be true, false or a torch.compile backend name "
+                         "(e.g. aot_eager)")
     if train.stop_after_epoch is not None:
         require_count("train.stop_after_epoch", train.stop_after_epoch)
     require_positive("optim.lr", cfg.optim.lr)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from visattn.data.registry import class_names
 from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
 from visattn.utils.flops import active_head_flops
 
-from .amp import StepProbe, choose_amp
+from .amp import StepProbe, apply_tf32, choose_amp
 from .checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
@@ -56,7 +58,7 @@ from .cls_setup import (
 from .data_skip import skip_first_batches
 from .distributed import all_gather_object, all_reduce_sum, barrier, broadcast_module
 from .ema import ModelEMA, unwrap_model
-from .guard import NonFiniteError, NonFiniteGuard, cause_hint, require_finite
+from .guard import GRADIENTS, NonFiniteError, NonFiniteGuard, cause_hint, require_finite
 from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from .launch import Launched, launched, seed_everything
 from .optim import WarmupSchedule, build_optimizer
@@ -72,7 +74,7 @@ from .results import (
 )
 from .run_identity import run_definition
 from .runlog import MetricsLogger
-from .step import StepGate, clip_and_norm
+from .step import StepGate, clip_and_norm, compiled, optimizer_step
 from .training_run import refuse_to_overwrite_training
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class ClsRun:
         self.resume_notes = ctx.resume_notes  # an accepted config change on resume (run_identity)
         self.clock = RunClock()  # every process of this run, across resumes (in the checkpoints)
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
+        self.tf32 = apply_tf32(cfg.train.get("tf32", True), self.device)
 
         seed_everything(cfg.seed)  # same initial weights on every rank
         self.model = build_cls_model(cfg)
@@ -194,7 +197,7 @@ class ClsRun:
         cfg, dist = self.cfg, self.dist
         model = self.model
         ema = ModelEMA(model, cfg.train.ema_decay) if cfg.train.ema else None
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, self.device)
         steps_per_epoch = len(self.train_loader)
         schedule = WarmupSchedule(
             cfg.optim.lr, cfg.train.epochs * steps_per_epoch, round(cfg.sched.warmup_epochs * steps_per_epoch),
@@ -202,15 +205,17 @@ class ClsRun:
         )
         guard = NonFiniteGuard(cfg.train.max_nonfinite_steps,
                                cause_hint(cfg.optim.lr, cfg.train.amp, cfg.data.name))
-        gate = StepGate(guard, self.stop, self.device)
+        gate = StepGate(guard, self.stop, self.device, grad_what="gradient norm" if cfg.train.clip_grad else GRADIENTS)
         if dist.distributed:
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
-        if cfg.train.compile:
-            model = torch.compile(model)
+        model = compiled(model, cfg.train.compile)
         mixup = build_mixup(cfg.aug, cfg.data.num_classes)
         criterion = task_criterion(mixup is not None, cfg.aug.label_smoothing)
+        train_step = ClsStep(model, optimizer, ema, gate, schedule, criterion, self._autocast,
+                             cfg.train.aux_loss_weight, cfg.train.clip_grad, mixup)
+        log_every = cfg.train.get("log_every", 50)
         logger = MetricsLogger(self.run_dir, tensorboard=cfg.train.tensorboard, enabled=dist.is_main)
 
         pos = _Position()
@@ -233,29 +238,16 @@ class ClsRun:
                 for images, labels in bar:
                     images = images.to(self.device, non_blocking=True)
                     labels = labels.to(self.device, non_blocking=True)
-                    if mixup is not None:
-                        images, labels = mixup(images, labels)
-                    lr = schedule.apply(optimizer, pos.step)
-                    with self._autocast():
-                        logits = model(images)
-                        task = criterion(logits.float(), labels)
-                    aux = aux_loss(model)
-                    loss = task + cfg.train.aux_loss_weight * aux
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    norm = clip_and_norm(model.parameters(), cfg.train.clip_grad)
-                    apply, stop = gate.decide(pos.step, loss, norm)
-                    if apply:
-                        optimizer.step()
-                        if ema is not None:
-                            ema.update(model)
-                        sums += torch.stack([task.detach(), aux.detach(), torch.ones((), device=self.device)]
-                                            ).to(sums.dtype)
+                    task, lr = train_step(pos.step, images, labels, sums)
                     pos.step += 1
                     batches += 1
                     epoch_images += len(images)
-                    if pos.step % 10 == 0 and not bar.disable:
-                        bar.set_postfix(loss=f"{task.item():.3f}", lr=f"{lr:.2e}")
+                    stop = gate.stop_now()
+                    if pos.step % log_every == 0 or (stop and batches < steps_per_epoch):
+                        # the host's read of the guard (NonFiniteError here, before any save, past the limit)
+                        (shown,) = gate.sync(pos.step, task)
+                        if not bar.disable:
+                            bar.set_postfix(loss=f"{shown:.3f}", lr=f"{lr:.2e}")
                     if stop and batches < steps_per_epoch:  # at the epoch's end, the end-of-epoch save serves
                         timer.stop(epoch_images)
                         self.trained.add(epoch_images, timer.seconds)
@@ -263,6 +255,7 @@ class ClsRun:
                         pos = _Position(epoch, batches, pos.step, pos.best, self._rank0_total(sums))
                         self._save_last(model, optimizer, ema, guard, pos)
                         raise self._preempted(pos.step)
+            gate.sync(pos.step)
             pos.batches, pos.sums = 0, torch.zeros(3, dtype=torch.float64)
             timer.stop(epoch_images)
             self.trained.add(epoch_images, timer.seconds)
@@ -427,12 +420,54 @@ class ClsRun:
             "params": count_params(model), "flops_per_image": model_flops(model, sample),
             "active_head_flops_per_image": active_head_flops(model, sample),
             "peak_memory_mb": peak_memory_mb(self.device), **self.clock.record(self.device),
-            "run_dir": str(self.run_dir), **self.amp.record(), "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_dir": str(self.run_dir), **self.amp.record(), "tf32": self.tf32,
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
             "attention_paths": impl_choices(model),  # which exact path each layer ran (MoH impl=auto's probe)
             # data.bad_images=skip: what this process left out (each rank verifies and skips alike)
             "skipped_files": skipped_files(self.train_set, self.val_set),
             **self.resume_notes,
         }
+
+
+@dataclass
+class ClsStep:
+    """One training step of the loop, from a batch on the device to the update (``python -m
+    visattn.bench loop`` times this same step): Mixup / CutMix, the learning rate, forward and task +
+    beta * aux loss under ``autocast()``, backward, ``clip_and_norm``, the gate's decision, then the
+    optimizer step, the EMA and the epoch's sums (loss, aux, batches), each applied only where the
+    gate lets it, on the device: nothing here waits for the device. Returns (task loss, lr)."""
+
+    model: nn.Module  # as trained (DDP and / or compiled)
+    optimizer: torch.optim.Optimizer
+    ema: ModelEMA | None
+    gate: StepGate
+    schedule: WarmupSchedule
+    criterion: nn.Module
+    autocast: Callable[[], AbstractContextManager]
+    aux_weight: float
+    clip: float | None
+    mixup: Callable | None = None
+
+    def __call__(self, step: int, images: torch.Tensor, labels: torch.Tensor,
+                 sums: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self.mixup is not None:
+            images, labels = self.mixup(images, labels)
+        lr = self.schedule.apply(self.optimizer, step)
+        with self.autocast():
+            logits = self.model(images)
+            task = self.criterion(logits.float(), labels)
+        aux = aux_loss(self.model)
+        loss = task + self.aux_weight * aux
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = clip_and_norm(self.model.parameters(), self.clip)
+        apply = self.gate.check(step, loss, norm)
+        optimizer_step(self.optimizer, apply)
+        if self.ema is not None:
+            self.ema.update(self.model, apply)
+        batch = torch.stack([task.detach(), aux.detach().to(task.dtype), torch.ones_like(task)]).to(sums.dtype)
+        sums += torch.where(apply, batch, 0.0)
+        return task, lr
 
 
 def run_cls(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:

@@ -64,6 +64,15 @@ def build_codec(cfg: Mapping[str, Any], device: torch.device) -> Callable[[torch
     return crop
 
 
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch built in the main process, on ``device``. On CUDA through pinned memory, so that the
+    copy is asynchronous (``non_blocking`` from pageable memory is not) and overlaps the device's
+    work on the step before (DiT's train.py pins its loader's batches too)."""
+    if device.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
 class EpochBatches:
     """This rank's batches of indices: a shuffled shard per epoch (deterministic in seed and epoch),
     last partial batch dropped. ``epoch`` and ``taken`` (batches of that epoch already used) are

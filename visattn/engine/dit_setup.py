@@ -125,6 +125,10 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     require_count("train.log_every", train["log_every"])
     require_count("train.ckpt_every", train["ckpt_every"])
     train["amp"] = normalize_amp(train["amp"])
+    require(isinstance(train.get("tf32", True), bool), "train.tf32", train.get("tf32"), "must be true or false")
+    compile_setting = train.get("compile", False)
+    require(isinstance(compile_setting, bool) or (isinstance(compile_setting, str) and compile_setting),
+            "train.compile", compile_setting, "must be true, false or a torch.compile backend name (e.g. aot_eager)")
     sched = cfg["sched"]
     require(sched["name"] in SCHEDULES, "sched.name", sched["name"], f"is not known; use one of {'|'.join(SCHEDULES)}")
     for key in ("warmup_epochs", "warmup_lr", "min_lr"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 import visattn
 from visattn.data.registry import class_names
 from visattn.diffusion import GaussianDiffusion, conditional_fn
-from visattn.engine.amp import StepProbe, choose_amp
+from visattn.engine.amp import StepProbe, apply_tf32, choose_amp
 from visattn.engine.checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
@@ -35,15 +36,15 @@ from visattn.engine.distributed import (
     barrier,
     broadcast_module,
 )
-from visattn.engine.dit_data import EpochBatches, build_train_data
+from visattn.engine.dit_data import EpochBatches, build_train_data, to_device
 from visattn.engine.dit_eval import evaluate_model, run_info
 from visattn.engine.dit_sampling import build_scorer
 from visattn.engine.dit_setup import build_diffusion, build_model
 from visattn.engine.ema import ModelEMA, unwrap_model
-from visattn.engine.guard import NonFiniteGuard, cause_hint, require_finite
+from visattn.engine.guard import GRADIENTS, NonFiniteGuard, cause_hint, require_finite
 from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from visattn.engine.launch import seed_everything
-from visattn.engine.optim import WarmupSchedule
+from visattn.engine.optim import WarmupSchedule, adamw
 from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
     RunClock,
@@ -52,7 +53,7 @@ from visattn.engine.results import (
 )
 from visattn.engine.run_identity import run_definition
 from visattn.engine.runlog import MetricsLogger
-from visattn.engine.step import StepGate, clip_and_norm
+from visattn.engine.step import StepGate, clip_and_norm, compiled, optimizer_step
 from visattn.utils.checkpoint import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     (this process's) is kept in the checkpoints so that it covers every process of the run."""
     tcfg = cfg["train"]
     seed = int(cfg["seed"])
+    tf32 = apply_tf32(bool(tcfg.get("tf32", True)), dist.device)
     seed_everything(seed * 1000)
     data = build_train_data(cfg)
     model = build_model(cfg).to(dist.device)
@@ -132,7 +134,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     check_labels(data.labels, model.num_classes)
     diffusion = build_diffusion(cfg, model.learn_sigma)
     ema = ModelEMA(model, float(tcfg["ema_decay"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=float(tcfg["lr"]), weight_decay=float(tcfg["weight_decay"]))
+    opt = adamw(model.parameters(), dist.device, lr=float(tcfg["lr"]), weight_decay=float(tcfg["weight_decay"]))
     global_batch = int(tcfg["batch_size"])
     if global_batch % dist.world_size:
         raise ValueError(f"train.batch_size={global_batch} is not divisible by the {dist.world_size} processes")
@@ -174,8 +176,10 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     results.update(amp.record())  # in every checkpoint's extra: a resume keeps this choice
     ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
         if dist.distributed else model
-    autocast = amp.autocast(dist.device)
-    gate = StepGate(guard, stop, dist.device)
+    clip = tcfg.get("clip_grad")
+    gate = StepGate(guard, stop, dist.device, grad_what="gradient norm" if clip else GRADIENTS)
+    train_step = DiTStep(compiled(ddp, tcfg.get("compile", False)), model, diffusion, opt, ema, gate, schedule,
+                         amp.autocast(dist.device), aux_weight, clip, running)
     stream = iter(batches)
     timed_images = 0  # since the timer's span started; the span ends (one sync) at a log or a save
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (tcfg["progress"] and dist.is_main),
@@ -184,32 +188,17 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     while step < total_steps:
         if not timer.running:
             timer.start()
-        x, y = data.batch(next(stream))
-        x, y = x.to(dist.device, non_blocking=True), y.to(dist.device, non_blocking=True)
-        t = torch.randint(0, diffusion.num_timesteps, (x.shape[0],), device=dist.device)
-        schedule.apply(opt, step)
-        with autocast:
-            terms = diffusion.training_losses(conditional_fn(ddp, y), x, t)
-            diffusion_loss = terms["loss"].mean()
-            aux = visattn.aux_loss(model)
-            loss = diffusion_loss + aux_weight * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = clip_and_norm(model.parameters(), tcfg.get("clip_grad"))
-        apply, stop_now = gate.decide(step, loss, norm)
-        if apply:
-            opt.step()
-            ema.update(model)
+        x, y = to_device(*data.batch(next(stream)), dist.device)
+        train_step(step, x, y)
         timed_images += x.shape[0] * dist.world_size
         step += 1
+        stop_now = gate.stop_now()
         log_now = step % int(tcfg["log_every"]) == 0 or step == total_steps
         save_now = step % int(tcfg["ckpt_every"]) == 0 or step == total_steps or stop_now
         if log_now or save_now:
+            gate.sync(step)  # the host's read of the guard: NonFiniteError here (before any save) past the limit
             timer.stop(timed_images)
             timed_images = 0
-        if apply:
-            running += torch.stack([diffusion_loss.detach().float(), aux.detach().float(),
-                                    torch.ones((), device=dist.device)])
         bar.update(1)
         if log_now:
             loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
@@ -236,7 +225,7 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     # without the counts)
     results.update({"train_steps": step, "train_images_per_s": timer.overall_rate,
                     "train_wall_time_s": timer.seconds if timer.complete else None,
-                    "skipped_steps": guard.skipped})
+                    "skipped_steps": guard.skipped, "tf32": tf32})
     active, total = info["active_heads"]
     if active < total and cfg["eval"]["head_load_images"] > 0:  # only models that select heads per token have a load
         load = measure_head_load(ema.module, data, diffusion, cfg, dist)
@@ -246,6 +235,45 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
         results.update(evaluate_model(ema.module, cfg, dist, run_dir, scorer, save=True, stop=stop, step=step))
     results["attention_paths"] = visattn.attention.impl_choices(ema.module)  # after the evaluation's forwards
     return results
+
+
+@dataclass
+class DiTStep:
+    """One training step of the loop, from a batch on the device to the update (``python -m
+    visattn.bench loop`` times this same step): the hybrid diffusion loss + beta * aux loss under
+    ``autocast``, backward, ``clip_and_norm``, the gate's decision, then the optimizer step, the EMA
+    and the loss sums (``running``: loss, aux, count), each applied only where the gate lets it, on
+    the device: nothing here waits for the device."""
+
+    forward: nn.Module  # the model as trained (DDP and / or compiled)
+    model: nn.Module
+    diffusion: GaussianDiffusion
+    opt: torch.optim.Optimizer
+    ema: ModelEMA
+    gate: StepGate
+    schedule: WarmupSchedule
+    autocast: Any
+    aux_weight: float
+    clip: float | None
+    running: torch.Tensor
+
+    def __call__(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), device=x.device)
+        self.schedule.apply(self.opt, step)
+        with self.autocast:
+            terms = self.diffusion.training_losses(conditional_fn(self.forward, y), x, t)
+            diffusion_loss = terms["loss"].mean()
+            aux = visattn.aux_loss(self.model)
+            loss = diffusion_loss + self.aux_weight * aux
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = clip_and_norm(self.model.parameters(), self.clip)
+        apply = self.gate.check(step, loss, norm)
+        optimizer_step(self.opt, apply)
+        self.ema.update(self.model, apply)
+        sums = torch.stack([diffusion_loss.detach().float(), aux.detach().float(), torch.ones_like(self.running[0])])
+        self.running += torch.where(apply, sums, 0.0)
+        return apply
 
 
 def check_labels(labels: torch.Tensor, num_classes: int) -> None:

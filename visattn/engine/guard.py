@@ -1,7 +1,10 @@
-"""Non-finite guard: a step whose loss or gradient norm is NaN / inf is skipped (no optimizer step,
-no EMA update), counted and logged; more than ``train.max_nonfinite_steps`` such steps IN A ROW stop
-the run with ``NonFiniteError`` (an isolated overflow is survivable, a diverged run is not). Weights
-are checked before every save, so a non-finite checkpoint is never written.
+"""Non-finite guard: a step whose loss or gradients (their norm, when clipping computes one) hold
+NaN / inf is skipped (no optimizer step, no EMA update), counted and logged; more than
+``train.max_nonfinite_steps`` such steps IN A ROW stop the run with ``NonFiniteError`` (an isolated
+overflow is survivable, a diverged run is not). Weights are checked before every save, so a
+non-finite checkpoint is never written. The training loops count on the device (``step.StepGate``)
+and report here at their log and save points (``settle``): skips are logged, and the limit acted on,
+there.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class NonFiniteGuard:
 
     def check(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when the step's numbers are finite (apply the update); False to skip it. Raises
-        ``NonFiniteError`` once more than ``limit`` steps in a row were non-finite."""
+        ``NonFiniteError`` once more than ``limit`` steps in a row were non-finite. (The training loops
+        count on the device instead, through ``step.StepGate``, which reports to ``settle``.)"""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.consecutive = 0
             return True
@@ -48,13 +52,33 @@ class NonFiniteGuard:
         log.warning("step %d: %s is %s; update skipped (%d in a row, %d in all; train.max_nonfinite_steps=%d)",
                     step, what, value, self.consecutive, self.skipped, self.limit)
         if self.consecutive > self.limit:
-            message = (
-                f"training stopped at step {step}: the {what} was {value} for {self.consecutive} steps in a row "
-                f"(train.max_nonfinite_steps={self.limit}). Likely causes: {self.cause_hint}"
-            )
-            raise NonFiniteError(message, {"step": step, "what": what, "value": str(value),
-                                           "consecutive": self.consecutive, "skipped_steps": self.skipped})
+            raise self._error(step, what, value)
         return False
+
+    def settle(self, step: int, consecutive: int, skipped: int, last_step: int, what: str, value: float,
+               tripped: bool) -> None:
+        """Take the counts kept on the device, read at ``step`` (a log or save point): ``last_step`` is
+        the last non-finite step (``what`` was ``value`` there). Logs the updates skipped since the
+        last read; raises ``NonFiniteError`` when ``tripped`` (the counts then are those of the step
+        that passed the limit, ``last_step``)."""
+        new = skipped - self.skipped
+        self.consecutive, self.skipped = consecutive, skipped
+        if new > 0:
+            log.warning("steps up to %d: %d update(s) skipped for non-finite numbers (the last at step %d: %s "
+                        "%s); %d in a row, %d in all (train.max_nonfinite_steps=%d)", step, new, last_step, what,
+                        _shown(what, value), consecutive, skipped, self.limit)
+        if tripped:
+            raise self._error(last_step, what, value)
+
+    def _error(self, step: int, what: str, value: float) -> NonFiniteError:
+        shown = _shown(what, value)
+        message = (
+            f"training stopped at step {step}: the {what} {'held' if what == GRADIENTS else 'was'} {shown} for "
+            f"{self.consecutive} steps in a row (train.max_nonfinite_steps={self.limit}). Likely causes: "
+            f"{self.cause_hint}"
+        )
+        return NonFiniteError(message, {"step": step, "what": what, "value": shown,
+                                        "consecutive": self.consecutive, "skipped_steps": self.skipped})
 
     def state_dict(self) -> dict[str, int]:
         return {"consecutive": self.consecutive, "skipped": self.skipped}
@@ -62,6 +86,13 @@ class NonFiniteGuard:
     def load_state_dict(self, state: Mapping[str, int] | None) -> None:
         if state:
             self.consecutive, self.skipped = int(state["consecutive"]), int(state["skipped"])
+
+
+GRADIENTS = "gradients"  # what the guard calls the gradients when no norm was computed (clipping off)
+
+
+def _shown(what: str, value: float) -> str:
+    return "nan/inf" if what == GRADIENTS else str(value)
 
 
 def cause_hint(lr: float, amp: str, data: str) -> str:

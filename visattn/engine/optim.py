@@ -22,14 +22,38 @@ def no_decay_patterns(model: nn.Module, patterns: Iterable[str] = ()) -> set[str
     return names
 
 
-def build_optimizer(model: nn.Module, optim: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """AdamW; 1-d parameters (norms, biases) and names matching ``optim.no_decay`` get no decay."""
+def adamw_kind(device: torch.device | str) -> dict[str, bool]:
+    """``fused=True`` where torch has a fused AdamW for ``device`` (CUDA and CPU among them): one
+    kernel per step, and the ``found_inf`` argument with which ``step.optimizer_step`` skips an update
+    on the device. ``foreach=True`` on other devices with foreach kernels; else torch's default."""
+    from torch.utils._foreach_utils import (
+        _get_foreach_kernels_supported_devices,
+        _get_fused_kernels_supported_devices,
+    )
+
+    kind = torch.device(device).type
+    if kind in _get_fused_kernels_supported_devices():
+        return {"fused": True}
+    return {"foreach": True} if kind in _get_foreach_kernels_supported_devices() else {}
+
+
+def adamw(params: Iterable[Any], device: torch.device | str, **kwargs: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(params, **kwargs)`` in the implementation ``adamw_kind`` picks for ``device``."""
+    return torch.optim.AdamW(params, **kwargs, **adamw_kind(device))
+
+
+def build_optimizer(model: nn.Module, optim: Mapping[str, Any],
+                    device: torch.device | str | None = None) -> torch.optim.Optimizer:
+    """AdamW (see ``adamw``; ``device``: the model's, by default where its first parameter is); 1-d
+    parameters (norms, biases) and names matching ``optim.no_decay`` get no decay."""
     if optim.get("name", "adamw") != "adamw":
         raise ValueError(f"optim.name={optim['name']!r} is not supported; use optim=adamw")
     groups = param_groups_weight_decay(
         model, weight_decay=optim["weight_decay"], no_weight_decay_list=no_decay_patterns(model, optim.get("no_decay", ()))
     )
-    return torch.optim.AdamW(groups, lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"])
+    if device is None:
+        device = next(model.parameters()).device
+    return adamw(groups, device, lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"])
 
 
 class WarmupSchedule:
