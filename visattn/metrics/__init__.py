@@ -9,7 +9,8 @@ CLI: ``python -m visattn.metrics SAMPLES.npz REF.npz --extractor digits``.
 """
 
 from .agreement import class_agreement
-from .extractor import EXTRACTOR_NAMES, FeatureExtractor, Features, build_extractor, check_images
+from .extractor import EXTRACTOR_NAMES, build_extractor
+from .extractor_base import FeatureExtractor, Features, check_images
 from .fid import feature_statistics, frechet_distance
 from .inception_score import ADM_SPLIT_SIZE, inception_score
 from .precision_recall import manifold_radii, precision_recall

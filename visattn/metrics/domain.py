@@ -29,7 +29,7 @@ from torch import nn
 from visattn.data.registry import load_arrays
 from visattn.utils.checkpoint import atomic_write_bytes, load_weights
 
-from .extractor import FeatureExtractor
+from .extractor_base import FeatureExtractor
 
 logger = logging.getLogger(__name__)
 

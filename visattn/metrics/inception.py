@@ -18,7 +18,7 @@ from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, Featu
 
 from visattn.utils.checkpoint import load_weights
 
-from .extractor import FeatureExtractor
+from .extractor_base import FeatureExtractor
 
 INCEPTION_WEIGHTS_NAME = URL_INCEPTION_V3.rsplit("/", 1)[-1]  # weights-inception-2015-12-05-6726825d.pth
 INCEPTION_WEIGHTS_ENV = "VISATTN_INCEPTION_WEIGHTS"

@@ -22,7 +22,7 @@ from PIL import Image
 from visattn.data.registry import is_array_dataset, load_arrays
 from visattn.utils.checkpoint import atomic_write_bytes
 
-from .extractor import FeatureExtractor, check_images
+from .extractor_base import FeatureExtractor, check_images
 from .fid import feature_statistics
 
 logger = logging.getLogger(__name__)

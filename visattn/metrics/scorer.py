@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .agreement import LABEL_EXTRACTORS, class_agreement
-from .extractor import FeatureExtractor, build_extractor, check_images
+from .extractor import build_extractor
+from .extractor_base import FeatureExtractor, check_images
 from .fid import feature_statistics, frechet_distance
 from .inception_score import ADM_SPLIT_SIZE, inception_score
 from .precision_recall import DEFAULT_BATCH_SIZE, precision_recall
