@@ -206,7 +206,11 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ tear-down
     def stop(self) -> None:
-        """Every daemon this cluster started, by its pid file; then the namespaces and host names."""
+        """Every job still there (cancelled, so no job step outlives its cluster), every daemon this
+        cluster started, by its pid file; then the namespaces and host names."""
+        if self.conf.is_file():
+            _run("scancel", "--full", "--user", "root", env=self.env, check=False, timeout=30)
+            time.sleep(1)
         pids = [self.root / "slurmctld.pid", *(self.root / f"slurmd-{n}.pid" for n in self.nodes)]
         for pid_file in pids:
             self._kill(pid_file)

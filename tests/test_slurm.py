@@ -9,12 +9,15 @@ module takes about as long as its slowest job: a time-limited one, requeued by S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from slurm_cluster import SlurmCluster, unavailable
 from test_engine_faults import ONE_PRECISION
 
 from visattn.engine.checkpoints import MODEL_WEIGHTS, latest_checkpoint
+from visattn.engine.runlock import LOCK_FILE
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +43,6 @@ DIT = [
 LAUNCHER = ["hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
             "hydra.launcher.partition=steady"]
 STOP_EPOCHS = "train.epochs=20"  # long enough to be stopped mid-run, short enough for the suite
-TIME_LIMIT_EPOCHS = "train.epochs=40"  # still training when SLURM's time-limit signal comes (5-35 s in)
 DIT_SAMPLING = [*DIT, "train.steps=2", "eval.num_samples=48", "sample.batch_size=2", "sample.steps=50",
                 "eval.head_load_images=0", "eval.fid_step0=false"]
 
@@ -107,6 +110,14 @@ class Sweep:
             time.sleep(0.2)
         raise TimeoutError(f"{self.dir}: sitting {sitting} trained no epoch after {timeout:.0f} s")
 
+    def pause_when_training(self) -> Paused:
+        """SIGSTOP the job's (rank 0) process once it has trained an epoch."""
+        self.wait_training(0)
+        (run_dir,) = self.run_dirs()
+        pid = json.loads((run_dir / LOCK_FILE).read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        return Paused(pid)
+
     def output(self) -> str:
         return self.proc.stdout.read() if self.proc.poll() is not None else "(running)"
 
@@ -114,6 +125,31 @@ class Sweep:
         out, _ = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, "\n".join(line for line in out.splitlines() if "sacct" not in line
                                                and "accounting storage" not in line)
+
+
+class Paused:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def resume_when_signalled(self, signum: int, timeout: float) -> None:
+        """SIGCONT once ``signum`` is pending for the paused process (it acts on it then). SLURM itself
+        sends SIGCONT with the signals it delivers, so the process may be running, or gone, already."""
+        bit = 1 << (signum - 1)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    status = Path(f"/proc/{self.pid}/status").read_text()
+                except FileNotFoundError:
+                    return
+                pending = [int(line.split()[1], 16) for line in status.splitlines() if line[:6] in ("SigPnd", "ShdPnd")]
+                if any(mask & bit for mask in pending) or "\nState:\tT" not in status:
+                    return
+                time.sleep(0.2)
+            raise TimeoutError(f"no {signal.Signals(signum).name} for pid {self.pid} after {timeout:.0f} s")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
 
 
 def direct_run(cluster, folder: Path, script: str, *overrides: str, ranks: int = 1) -> Path:
@@ -128,8 +164,10 @@ def direct_run(cluster, folder: Path, script: str, *overrides: str, ranks: int =
 
 
 def finished(proc) -> Path:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
+    """The run dir of a ``direct_run``, once it has ended well (any number of calls)."""
+    if proc.returncode is None:
+        proc.output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, proc.output[-3000:]
     return proc.folder
 
 
@@ -169,7 +207,6 @@ def references(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("references")
     return {
         "stop": direct_run(cluster, folder / "stop", "train_cls.py", *CLS, STOP_EPOCHS),
-        "limited": direct_run(cluster, folder / "limited", "train_cls.py", *CLS, TIME_LIMIT_EPOCHS),
         "ddp_cls": direct_run(cluster, folder / "ddp_cls", "train_cls.py", *CLS, "train.epochs=2", ranks=2),
         "ddp_dit": direct_run(cluster, folder / "ddp_dit", "train_dit.py", *DIT, "train.steps=4", "eval.enabled=false",
                               ranks=2),
@@ -183,9 +220,9 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     - a two-job sweep (attn=mha,moh);
     - a two-task job of each task: one DDP run (one run dir, world_size 2), the weights of
       ``torchrun --nproc_per_node=2``;
-    - a classification job stopped in turn by SIGUSR2 (submitit's signal), SIGUSR1, SIGTERM sent alone
-      (``scancel --signal=TERM``) and ``scontrol requeue``, and another stopped by SLURM's time limit:
-      each time requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an
+    - classification jobs stopped in turn by SIGUSR2 (submitit's signal) and SIGUSR1, by SIGTERM sent
+      alone (``scancel --signal=TERM``) and ``scontrol requeue``, and one by SLURM's time limit: each
+      time requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an
       uninterrupted run;
     - a DiT job stopped during its final sampling: requeued, it samples without training again;
     - a failing two-task job: the sweep fails, the run's log says why.
@@ -198,25 +235,48 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
                          *two_tasks),
         "failing": Sweep(cluster, tmp_path / "failing", "train_cls.py", *CLS, "train.batch_size=129", *two_tasks),
         "dit_sampling": Sweep(cluster, tmp_path / "dit_sampling", "train_dit.py", *DIT_SAMPLING),
-        "stops": Sweep(cluster, tmp_path / "stops", "train_cls.py", *CLS, STOP_EPOCHS),
+        "stops_usr": Sweep(cluster, tmp_path / "stops_usr", "train_cls.py", *CLS, STOP_EPOCHS),
+        "stops_term": Sweep(cluster, tmp_path / "stops_term", "train_cls.py", *CLS, STOP_EPOCHS),
         # SLURM signals SIGUSR2 at its first time-limit check (every 30 s) after limit - signal_delay_s - 30 s:
-        # 5-35 s into the 1-minute job
-        "time_limit": Sweep(cluster, tmp_path / "time_limit", "train_cls.py", *CLS, TIME_LIMIT_EPOCHS,
-                            "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=25"),
+        # 30-60 s into the 2-minute job
+        "time_limit": Sweep(cluster, tmp_path / "time_limit", "train_cls.py", *CLS, STOP_EPOCHS,
+                            "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"),
     }
-    stops, limited = sweeps["stops"], sweeps["time_limit"]
-    commands = [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"], ["scancel", "--signal=TERM"],
-                ["scontrol", "requeue"]]
-    dit_run = _wait_for(lambda: next((d for d in sweeps["dit_sampling"].run_dirs()
-                                      if (d / "checkpoints" / "step-000000002").is_dir()), None))
-    _signal(cluster, ["scancel", "--signal=TERM"], sweeps["dit_sampling"].job_id())  # it samples now
-    for sitting, command in enumerate(commands):
-        stops.wait_training(sitting)
-        _signal(cluster, command, stops.job_id())
-    # once SLURM's own signal has requeued the time-limited job, its next sitting may run to the end
-    limited_dir = _wait_for(lambda: next((d for d in limited.run_dirs() if "Requeued job" in _log(d, "train_cls")),
-                                         None), timeout=240)
-    cluster.scontrol("update", f"JobId={limited.job_id()}", "TimeLimit=10")
+    # a batch script of the user's own: srun starts the two tasks of one run
+    srun_dir = tmp_path / "srun"
+    overrides = " ".join(f"'{o}'" for o in [*CLS, "train.epochs=2", f"hydra.run.dir={srun_dir}"])
+    srun_job = subprocess.run(
+        ["sbatch", "--parsable", "-p", "steady", "-n", "2", "-o", str(tmp_path / "srun.out"), "--wrap",
+         f"srun --kill-on-bad-exit=1 {sys.executable} {ROOT / 'train_cls.py'} {overrides}"],
+        env=env(cluster), cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    limited, dit = sweeps["time_limit"], sweeps["dit_sampling"]
+    stops = {"stops_usr": [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"]],
+             "stops_term": [["scancel", "--signal=TERM"], ["scontrol", "requeue"]]}
+
+    def stop_in_turn(name: str) -> None:
+        for sitting, command in enumerate(stops[name]):
+            sweeps[name].wait_training(sitting)
+            _signal(cluster, command, sweeps[name].job_id())
+
+    def stop_while_sampling() -> Path:
+        run_dir = _wait_for(lambda: next((d for d in dit.run_dirs() if (d / "checkpoints" / "step-000000002").is_dir()),
+                                         None))
+        _signal(cluster, ["scancel", "--signal=TERM"], dit.job_id())  # the last checkpoint is written: it samples
+        return run_dir
+
+    def run_into_the_time_limit() -> Path:
+        # paused (SIGSTOP) once it trains, so that SLURM's signal finds it mid-run however fast it trains
+        # here; resumed (SIGCONT) once the signal is pending, it acts on it
+        limited.pause_when_training().resume_when_signalled(signal.SIGUSR2, timeout=120)
+        run_dir = _wait_for(lambda: next((d for d in limited.run_dirs() if "Requeued job" in _log(d, "train_cls")),
+                                         None), timeout=120)
+        cluster.scontrol("update", f"JobId={limited.job_id()}", "TimeLimit=10")  # its next sitting may finish
+        return run_dir
+
+    with ThreadPoolExecutor(4) as pool:
+        drivers = [pool.submit(stop_while_sampling), pool.submit(run_into_the_time_limit),
+                   *(pool.submit(stop_in_turn, name) for name in stops)]
+        dit_run, limited_dir, *_ = (driver.result() for driver in drivers)
 
     outcomes = {name: sweep.finish() for name, sweep in sweeps.items()}
     for name, (code, out) in outcomes.items():
@@ -233,17 +293,22 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         (run_dir,) = sweeps[name].run_dirs()
         assert results(run_dir)["world_size"] == 2 and results(run_dir)["completed"] is True
         assert_same_weights(run_dir, finished(references[name]))
+    # srun in a batch script: the same run
+    assert cluster.wait_state(srun_job, "COMPLETED", "FAILED", timeout=240) == "COMPLETED", \
+        (tmp_path / "srun.out").read_text()[-3000:]
+    assert results(srun_dir)["world_size"] == 2
+    assert_same_weights(srun_dir, references["ddp_cls"].folder)
 
     # every stop: requeued, resumed, and the same weights as the uninterrupted run
-    (stops_dir,) = stops.run_dirs()
-    log = _log(stops_dir, "train_cls")
-    for signal_name in ("SIGUSR2", "SIGUSR1", "SIGTERM"):
-        assert f"received {signal_name}" in log, log[-3000:]
-    assert log.count("resumed from") == len(commands) and results(stops_dir)["completed"] is True
-    assert_same_weights(stops_dir, finished(references["stop"]))
+    for name, signals in (("stops_usr", ("SIGUSR2", "SIGUSR1")), ("stops_term", ("SIGTERM",))):
+        (run_dir,) = sweeps[name].run_dirs()
+        log = _log(run_dir, "train_cls")
+        assert all(f"received {signal_name}" in log for signal_name in signals), log[-3000:]
+        assert log.count("resumed from") == len(stops[name]) and results(run_dir)["completed"] is True
+        assert_same_weights(run_dir, finished(references["stop"]))
     assert "this job is timed-out" in _log(limited_dir, "train_cls")  # SLURM's signal; submitit counted a time-out
     assert "resumed from" in _log(limited_dir, "train_cls") and results(limited_dir)["completed"] is True
-    assert_same_weights(limited_dir, finished(references["limited"]))
+    assert_same_weights(limited_dir, finished(references["stop"]))
 
     # DiT stopped while sampling: the requeued job sampled without a training step, scores as uninterrupted
     log = _log(dit_run, "train_dit")

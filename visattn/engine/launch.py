@@ -31,7 +31,7 @@ from visattn.utils.checkpoint import atomic_write_bytes
 from .checkpoints import checkpoint_to_resume, remove_stale
 from .distributed import DistInfo, broadcast_object, cleanup_distributed, init_distributed
 from .preempt import Preempted, StopSignal, exit_preempted
-from .run_identity import check_same_run, run_definition
+from .run_identity import RunMismatch, check_same_run, run_definition
 from .runlock import RunDirBusy, RunLock, refuse_busy_run_dir
 from .runlog import setup_logging
 from .slurm import export_task_env, in_slurm_job, request_requeue
@@ -112,12 +112,10 @@ def check_run_identity(run_dir: Path, config: dict, dist: DistInfo) -> dict:
             try:
                 outcome = ("ok", check_same_run(found.run, run_definition(config), run_dir, found.step,
                                                 bool(config.get("force_resume"))))
-            except ValueError as err:
+            except RunMismatch as err:
                 outcome = ("refused", str(err))
     kind, value = broadcast_object(outcome)
     if kind == "refused":
-        from .run_identity import RunMismatch
-
         raise RunMismatch(value)
     return dict(value)
 

@@ -3,8 +3,8 @@
 
 The definition is the whole config (model, attention, budget, data, augmentation, optimiser,
 schedule, training length, seed, evaluation) less the run-only keys below: how a run is executed
-(threads, devices, progress bars, logging and checkpoint cadence, where to resume from), which may
-change between the sittings of one run. A different definition into a run dir that holds a
+(threads, devices, compilation, TF32, progress bars, logging and checkpoint cadence, where to resume
+from), which may change between the sittings of one run. A different definition into a run dir that holds a
 checkpoint is refused before anything is written, naming the keys that differ:
 
     run dir outputs/x holds a checkpoint of another run: seed 0 -> 2, train.epochs 2 -> 1. ...
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 RUN_ONLY_KEYS = (
     "mode", "ckpt", "resume", "force_resume", "device",
     "train.num_threads", "train.progress", "train.tensorboard", "train.log_every", "train.ckpt_every",
+    "train.compile", "train.tf32",
     "train.eval_every", "train.eval_batch_size", "train.stop_after_epoch",
     "data.num_workers", "sample.batch_size", "eval.extractor_device", "cache",
 )
@@ -58,9 +59,10 @@ class Difference:
     current: Any
 
     def __str__(self) -> str:
-        absent = "(absent)"
-        return f"{self.key} {absent if self.saved is _MISSING else self.saved!r} -> " \
-               f"{absent if self.current is _MISSING else self.current!r}"
+        def shown(value: Any) -> str:
+            return "(absent)" if value is _MISSING else repr(value)
+
+        return f"{self.key} {shown(self.saved)} -> {shown(self.current)}"
 
 
 _MISSING = object()

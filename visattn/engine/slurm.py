@@ -43,6 +43,21 @@ def step_tasks(environ: Mapping[str, str] = os.environ) -> int:
     return int(environ.get("SLURM_STEP_NUM_TASKS", "1") or 1)
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-08,11],cpu01`` -> ``gpu07``."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
+    if head is None or not head.group(0):
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges, suffix = head.groups()
+    return prefix + (re.split(r"[,-]", ranges)[0] if ranges else "") + suffix
+
+
+def rendezvous_port(job: str) -> int:
+    """A port every task of a job derives alike from its id (20000-59999), so concurrent jobs on one
+    node rarely collide; ``MASTER_PORT`` set by the user wins."""
+    return 20000 + int(re.sub(r"\D", "", job) or 0) % 40000
+
+
 def export_task_env(environ: dict[str, str] | None = None) -> bool:
     """In a task of a multi-task SLURM step not started by torchrun: set torchrun's variables from
     SLURM's (rendezvous at the first host of the job's node list, a port derived from the job id).
@@ -50,15 +65,17 @@ def export_task_env(environ: dict[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if "RANK" in environ or step_tasks(environ) < 2:
         return False
-    from submitit.helpers import TorchDistributedEnvironment
-
-    # CUDA devices stay as they are: each rank takes cuda:LOCAL_RANK (distributed.init_distributed)
-    dist_env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     world = step_tasks(environ)
-    if dist_env.world_size != world:  # SLURM_NTASKS (the job's) differs from the step's
-        environ["WORLD_SIZE"] = str(world)
-    log.debug("SLURM task %s of %s, rendezvous %s:%s", environ["RANK"], environ["WORLD_SIZE"],
-              environ["MASTER_ADDR"], environ["MASTER_PORT"])
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or 1)
+    environ.update({
+        "RANK": environ["SLURM_PROCID"], "WORLD_SIZE": str(world), "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(max(world // max(nodes, 1), 1)),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(
+            environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(rendezvous_port(environ["SLURM_JOB_ID"])),
+    })
+    log.debug("SLURM task %s of %s, rendezvous %s:%s", environ["RANK"], world, environ["MASTER_ADDR"],
+              environ["MASTER_PORT"])
     return True
 
 
