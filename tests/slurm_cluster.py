@@ -64,7 +64,8 @@ class SlurmCluster:
         self.cpus, self.memory_mb = cpus, memory_mb
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self._munged_pid: int | None = None
+        self._munged_pid_file: Path | None = None
+        self.munge_socket: Path | None = None
         self._netns: list[str] = []
 
     # ------------------------------------------------------------------ set-up
@@ -106,7 +107,8 @@ class SlurmCluster:
             "SlurmUser=root", "SlurmdUser=root",
             f"SlurmctldPort={ctl_port}", f"SlurmdPort={d_port}",
             "AuthType=auth/munge", "CredType=cred/munge",
-            "AuthInfo=cred_expire=10",  # a requeued job may start again after ~10 s, not ~121 s
+            # a requeued job may start again after ~10 s, not ~121 s
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
             f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
@@ -128,16 +130,21 @@ class SlurmCluster:
         ])
 
     def _start_munge(self) -> None:
-        if _run("pgrep", "-x", "munged", check=False).returncode == 0:
-            return  # one munged serves every daemon on the machine; it is not ours to stop
-        run_dir = Path("/run/munge")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.chown(run_dir, "munge", "munge")
-        Path("/var/log/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/var/log/munge", "munge", "munge")
-        _run("runuser", "-u", "munge", "--", "/usr/sbin/munged", "--force")
-        pid_file = run_dir / "munged.pid"
-        self._munged_pid = int(pid_file.read_text().split()[0]) if pid_file.exists() else None
+        """A munged of this cluster's own (its socket, pid, log and seed under ``root/munge``, run as the
+        munge user), so clusters of tests that run side by side never share or stop each other's."""
+        folder = self.root / "munge"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        shutil.chown(folder, "munge", "munge")
+        self.root.chmod(0o755)  # the munge user must reach its folder
+        for parent in self.root.parents:  # pytest's temp folders are 0700
+            if parent == Path("/tmp") or parent == Path("/"):
+                break
+            parent.chmod(parent.stat().st_mode | 0o011)
+        self.munge_socket = folder / "munge.socket"
+        _run("runuser", "-u", "munge", "--", "/usr/sbin/munged", f"--socket={self.munge_socket}",
+             f"--pid-file={folder / 'munged.pid'}", f"--log-file={folder / 'munged.log'}",
+             f"--seed-file={folder / 'munged.seed'}", "--force")
+        self._munged_pid_file = folder / "munged.pid"
 
     def _network(self) -> None:
         """A bridge on the host at .1 and one namespace per node at .10, .11, ..."""
@@ -214,8 +221,8 @@ class SlurmCluster:
         pids = [self.root / "slurmctld.pid", *(self.root / f"slurmd-{n}.pid" for n in self.nodes)]
         for pid_file in pids:
             self._kill(pid_file)
-        if self._munged_pid:
-            self._kill_pid(self._munged_pid)
+        if self._munged_pid_file is not None:
+            self._kill(self._munged_pid_file)
         for ns in self._netns:
             _run("ip", "netns", "delete", ns, check=False)
         if self.emulated:

@@ -45,7 +45,7 @@ def test_torchrun_two_processes_share_one_run_dir(tmp_path):
 def test_a_resumed_ddp_run_logs_the_losses_of_an_uninterrupted_one(tmp_path):
     """SIGUSR1 to rank 0 in epoch 2 of a 2-process run, then a resume: every rank's running sums were
     reduced into the checkpoint, so epoch 2's logged loss is the uninterrupted run's (it was rank 0's alone)."""
-    tiny = [*TINY, "train.batch_size=16", "train.epochs=2"]  # 89 steps an epoch: a stop lands mid-epoch
+    tiny = [*TINY, "train.batch_size=32", "train.epochs=2"]  # 44 steps an epoch: a stop lands mid-epoch
 
     def torchrun(run_dir, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -1,10 +1,11 @@
-"""The cluster path on a real SLURM (Debian's slurm-wlm + munge, brought up by ``slurm_cluster``):
-hydra/launcher=slurm_cpu sweeps, multi-task jobs as one DDP run, every stop requeued and finished
-bit-identical to an uninterrupted run, and a two-node job. Skipped, saying why, where SLURM cannot
-be brought up (packages missing, not root).
+"""The cluster path on a real single-node SLURM (Debian's slurm-wlm + munge, brought up by
+``slurm_cluster``): hydra/launcher=slurm_cpu sweeps, multi-task jobs as one DDP run, every stop
+requeued and finished bit-identical to an uninterrupted run. Two nodes (a multi-node job,
+preemption): tests/test_slurm_nodes.py. Skipped, saying why, where SLURM cannot be brought up
+(packages missing, not root).
 
-Jobs run concurrently where they can (the node declares more CPUs than the machine has), so the
-module takes about as long as its slowest job: a time-limited one, requeued by SLURM's own signal.
+Jobs run concurrently (the node declares more CPUs than the machine has), so the module takes about
+as long as its slowest job.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ DIT = [
 ]
 LAUNCHER = ["hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
             "hydra.launcher.partition=steady"]
-STOP_EPOCHS = "train.epochs=20"  # long enough to be stopped mid-run, short enough for the suite
+STOP_EPOCHS = "train.epochs=12"  # a job is stopped once an epoch of its sitting is logged: mid-run
 DIT_SAMPLING = [*DIT, "train.steps=2", "eval.num_samples=48", "sample.batch_size=2", "sample.steps=50",
                 "eval.head_load_images=0", "eval.fid_step0=false"]
 
@@ -225,6 +226,7 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
       time requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an
       uninterrupted run;
     - a DiT job stopped during its final sampling: requeued, it samples without training again;
+    - a job cancelled (``scancel`` without ``--signal``): saved, not requeued, the sweep fails saying so;
     - a failing two-task job: the sweep fails, the run's log says why.
     """
     two_tasks = ["hydra.launcher.tasks_per_node=2"]
@@ -237,10 +239,10 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         "dit_sampling": Sweep(cluster, tmp_path / "dit_sampling", "train_dit.py", *DIT_SAMPLING),
         "stops_usr": Sweep(cluster, tmp_path / "stops_usr", "train_cls.py", *CLS, STOP_EPOCHS),
         "stops_term": Sweep(cluster, tmp_path / "stops_term", "train_cls.py", *CLS, STOP_EPOCHS),
-        # SLURM signals SIGUSR2 at its first time-limit check (every 30 s) after limit - signal_delay_s - 30 s:
-        # 30-60 s into the 2-minute job
+        "cancelled": Sweep(cluster, tmp_path / "cancelled", "train_cls.py", *CLS, STOP_EPOCHS),
+        # its limit is brought near once it trains (run_into_the_time_limit)
         "time_limit": Sweep(cluster, tmp_path / "time_limit", "train_cls.py", *CLS, STOP_EPOCHS,
-                            "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"),
+                            "hydra.launcher.timeout_min=10", "hydra.launcher.signal_delay_s=120"),
     }
     # a batch script of the user's own: srun starts the two tasks of one run
     srun_dir = tmp_path / "srun"
@@ -251,7 +253,8 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         env=env(cluster), cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     limited, dit = sweeps["time_limit"], sweeps["dit_sampling"]
     stops = {"stops_usr": [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"]],
-             "stops_term": [["scancel", "--signal=TERM"], ["scontrol", "requeue"]]}
+             "stops_term": [["scancel", "--signal=TERM"], ["scontrol", "requeue"]],
+             "cancelled": [["scancel"]]}
 
     def stop_in_turn(name: str) -> None:
         for sitting, command in enumerate(stops[name]):
@@ -265,22 +268,26 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         return run_dir
 
     def run_into_the_time_limit() -> Path:
-        # paused (SIGSTOP) once it trains, so that SLURM's signal finds it mid-run however fast it trains
-        # here; resumed (SIGCONT) once the signal is pending, it acts on it
-        limited.pause_when_training().resume_when_signalled(signal.SIGUSR2, timeout=120)
+        # Paused (SIGSTOP) once it trains, so that SLURM's signal finds it mid-run however fast it trains
+        # here; its limit is then brought to 90-150 s away, within signal_delay_s (120) + SLURM's 30-s check
+        # interval, so the time-limit signal comes at the next check; resumed (SIGCONT) once it is pending.
+        paused = limited.pause_when_training()
+        elapsed = _seconds(cluster.job_field(limited.job_id(), "RunTime"))
+        cluster.scontrol("update", f"JobId={limited.job_id()}", f"TimeLimit={-(-(elapsed + 90) // 60)}")
+        paused.resume_when_signalled(signal.SIGUSR2, timeout=120)
         run_dir = _wait_for(lambda: next((d for d in limited.run_dirs() if "Requeued job" in _log(d, "train_cls")),
                                          None), timeout=120)
         cluster.scontrol("update", f"JobId={limited.job_id()}", "TimeLimit=10")  # its next sitting may finish
         return run_dir
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2 + len(stops)) as pool:
         drivers = [pool.submit(stop_while_sampling), pool.submit(run_into_the_time_limit),
                    *(pool.submit(stop_in_turn, name) for name in stops)]
         dit_run, limited_dir, *_ = (driver.result() for driver in drivers)
 
     outcomes = {name: sweep.finish() for name, sweep in sweeps.items()}
     for name, (code, out) in outcomes.items():
-        if name != "failing":
+        if name not in ("failing", "cancelled"):
             assert code == 0, f"{name}: {out[-3000:]}"
 
     # the sweep: two runs, each complete
@@ -300,7 +307,7 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     assert_same_weights(srun_dir, references["ddp_cls"].folder)
 
     # every stop: requeued, resumed, and the same weights as the uninterrupted run
-    for name, signals in (("stops_usr", ("SIGUSR2", "SIGUSR1")), ("stops_term", ("SIGTERM",))):
+    for name, signals in (("stops_usr", ("SIGUSR2", "SIGUSR1")), ("stops_term", ("SIGTERM",))):  # not "cancelled"
         (run_dir,) = sweeps[name].run_dirs()
         log = _log(run_dir, "train_cls")
         assert all(f"received {signal_name}" in log for signal_name in signals), log[-3000:]
@@ -316,6 +323,13 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     got, want = results(dit_run), results(finished(references["dit"]))
     assert got["completed"] is True and got["fid"] == want["fid"] and got["train_steps"] == 2
 
+    # scancel without --signal cancels: the state is saved, the job is not requeued, the sweep says so
+    code, out = outcomes["cancelled"]
+    (run_dir,) = sweeps["cancelled"].run_dirs()
+    assert code != 0 and "not requeued: SLURM is ending the job (JobState=COMPLETING" in out, out[-2000:]
+    assert results(run_dir)["preempted"] is True and latest_checkpoint(run_dir) is not None
+    assert "resumed from" not in _log(run_dir, "train_cls")
+
     # a failing job fails its sweep, and its run's log says why
     code, out = outcomes["failing"]
     assert code != 0
@@ -323,37 +337,13 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     assert "train.batch_size=129" in _log(run_dir, "train_cls")
 
 
-def test_a_preempted_job_is_requeued_and_finishes_bit_identical(cluster, references, tmp_path):
-    """A job of the low-priority partition (debug) holding the node's CPUs is preempted (REQUEUE) by a
-    job of the urgent partition; it comes back and ends as the uninterrupted run."""
-    victim = Sweep(cluster, tmp_path / "victim", "train_cls.py", *CLS, STOP_EPOCHS, "hydra.launcher.partition=debug",
-                   "hydra.launcher.cpus_per_task=32")
-    victim.wait_training(0)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-c", "32", "-o", str(tmp_path / "urgent.out"),
-                             "--wrap", "sleep 1"], env=cluster.env, capture_output=True, text=True, check=True)
-    assert cluster.wait_state(urgent.stdout.strip(), "COMPLETED", timeout=120) == "COMPLETED"
-    code, out = victim.finish()
-    assert code == 0, out[-3000:]
-    (run_dir,) = victim.run_dirs()
-    assert "resumed from" in _log(run_dir, "train_cls")
-    assert_same_weights(run_dir, finished(references["stop"]))
-
-
-def test_a_two_node_job_is_one_run(references, tmp_path_factory, tmp_path):
-    """Two slurmd nodes, each in its own network namespace with its own address: one task per node,
-    rendezvous at the first node, one run dir, the weights of torchrun with two processes."""
-    why = unavailable(nodes=2)
-    if why:
-        pytest.skip(why)
-    with SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2, cpus=4) as two:
-        sweep = Sweep(two, tmp_path / "sweep", "train_cls.py", *CLS, "train.epochs=2", "hydra.launcher.nodes=2",
-                      "hydra.launcher.partition=debug")
-        code, out = sweep.finish()
-        assert code == 0, out[-3000:]
-    (run_dir,) = sweep.run_dirs()
-    assert results(run_dir)["world_size"] == 2
-    assert "taking over" not in _log(run_dir, "train_cls")
-    assert_same_weights(run_dir, finished(references["ddp_cls"]))
+def _seconds(run_time: str) -> int:
+    """SLURM's [D-][HH:]MM:SS in seconds."""
+    days, _, clock = run_time.rpartition("-")
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
 
 
 def _signal(cluster: SlurmCluster, command: list[str], job_id: str) -> None:

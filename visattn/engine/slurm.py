@@ -93,37 +93,48 @@ def request_requeue(signum: int, previous_handlers: Iterable[Any] = ()) -> str |
     """Put this SLURM job back in the queue after a stop (call on rank 0, once the checkpoint is
     saved). Under submitit (its handler among ``previous_handlers``) its protocol decides: the
     re-submission pickle, ``max_num_timeout`` counted on time-outs; otherwise ``scontrol requeue``.
-    Returns None when the job is requeued, else why not."""
+    A job SLURM is requeueing already (preemption, ``scontrol requeue``) needs nothing; a job SLURM is
+    ending (``scancel`` without ``--signal``, the time limit reached) is left to end. Returns None
+    when the job is requeued, else why not."""
     jid = job_id()
     if jid is None:
         return "not a SLURM job"
+    state = _job_state(jid)
+    if _requeued(*state):
+        return None
+    if state[0] != "RUNNING":
+        return f"SLURM is ending the job (JobState={state[0]}: cancelled with scancel, or past its time limit)"
     handler = _submitit_handler(previous_handlers)
     if handler is not None:
         try:
             handler.checkpoint_and_try_requeue(signum)
         except SystemExit:  # submitit requeued the job and exits; we exit ourselves, after the other ranks
             return None
-        except subprocess.CalledProcessError as err:
-            return None if _requeued_already(jid) else f"scontrol requeue {jid} failed ({err})"
+        except subprocess.CalledProcessError as err:  # SLURM may have begun a requeue meanwhile
+            return None if _requeued(*_job_state(jid)) else f"scontrol requeue {jid} failed ({err})"
         except Exception as err:  # submitit's UncompletedJobError: e.g. timed out too many times
             return str(err)
         return "submitit did not requeue the job"
     result = subprocess.run(["scontrol", "requeue", jid], capture_output=True, text=True, timeout=60)
-    if result.returncode == 0 or _requeued_already(jid):
+    if result.returncode == 0 or _requeued(*_job_state(jid)):
         return None
     return f"scontrol requeue {jid} failed: {result.stderr.strip() or result.returncode}"
 
 
-def _requeued_already(jid: str) -> bool:
-    """Whether SLURM is requeueing the job already (preemption with PreemptMode=REQUEUE, ``scontrol
-    requeue`` from outside): its restart count is past this instance's, or it is pending again. Our
-    own request is then refused ("Job is pending execution") and needs not be made."""
+def _requeued(state: str, restarts: int) -> bool:
+    """Whether SLURM is requeueing this job already: its restart count is past this instance's."""
+    return restarts > int(os.environ.get("SLURM_RESTART_COUNT") or 0) or state in (
+        "PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD")
+
+
+def _job_state(jid: str) -> tuple[str, int]:
+    """The job's state and restart count as the controller has them now. After a requeue the restart
+    count is past this instance's (SLURM_RESTART_COUNT) at once, while the state may still read
+    COMPLETING; a cancelled job reads COMPLETING with the same count."""
     out = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True, timeout=60).stdout
     state = re.search(r"\bJobState=(\S+)", out)
     restarts = re.search(r"\bRestarts=(\d+)", out)
-    this_instance = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    return bool(restarts and int(restarts.group(1)) > this_instance) or bool(
-        state and state.group(1) in ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD"))
+    return (state.group(1) if state else "UNKNOWN"), (int(restarts.group(1)) if restarts else 0)
 
 
 # ---------------------------------------------------------------- scheduling
