@@ -12,6 +12,12 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The SLURM cluster tests first: their jobs mostly wait on the scheduler, so started at once on one
+    worker (one file: ``--dist loadfile``) they run beside the rest of the suite instead of after it."""
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture
 def signal_at_step(monkeypatch):
     """``signal_at_step(module, n, signum)``: the n-th training step of a loop in ``module`` (its n-th

@@ -341,3 +341,39 @@ def test_labels_beyond_the_models_classes_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"labels run from 0 to 9 but the model has data.num_classes=9 classes"):
         run(config("train.steps=1", "data.num_classes=9", *TINY_MODEL), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_stop_during_the_final_sampling_exits_at_once_and_the_resume_samples_without_training(tmp_path,
+                                                                                                 monkeypatch):
+    """SIGTERM while the trained model samples for its scores: the sampling stops after its current batch
+    (Preempted at the last step, whose checkpoint holds the weights), and the resumed run samples and
+    scores with no training step, as an uninterrupted run does."""
+    import signal
+
+    import visattn.engine.dit_sampling as sampling
+    from visattn.engine.preempt import Preempted
+
+    overrides = [*TINY_MODEL, "train.steps=2", "eval.enabled=true", "eval.num_samples=8", "sample.batch_size=2",
+                 "eval.head_load_images=0", "eval.fid_step0=false"]
+    whole = run(config(*overrides), tmp_path / "whole")
+    real, batches = sampling.sample_loop, []
+
+    def stop_in_the_second_batch(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "sample_loop", stop_in_the_second_batch)
+    with pytest.raises(Preempted, match="SIGTERM after step 2"):
+        run(config(*overrides), tmp_path / "stopped")
+    assert len(batches) == 2  # not the 4 batches of 8 samples: it stopped after the batch the signal came in
+    assert json.loads((tmp_path / "stopped" / "results.json").read_text())["preempted"] is True
+    monkeypatch.setattr(sampling, "sample_loop", real)
+    steps = []
+    import visattn.engine.dit_train as dit_train
+
+    monkeypatch.setattr(dit_train, "clip_and_norm", lambda *a, **k: steps.append(1) or torch.zeros(()))
+    resumed = run(config(*overrides), tmp_path / "stopped")
+    assert steps == [] and resumed["completed"] is True and resumed["train_steps"] == 2
+    assert resumed["fid"] == whole["fid"]

@@ -1,11 +1,11 @@
-"""The cluster path on a real single-node SLURM (Debian's slurm-wlm + munge, brought up by
-``slurm_cluster``): hydra/launcher=slurm_cpu sweeps, multi-task jobs as one DDP run, every stop
-requeued and finished bit-identical to an uninterrupted run. Two nodes (a multi-node job,
-preemption): tests/test_slurm_nodes.py. Skipped, saying why, where SLURM cannot be brought up
-(packages missing, not root).
+"""The cluster path on a real SLURM (Debian's slurm-wlm + munge, brought up by ``slurm_cluster``).
+A single-node cluster: hydra/launcher=slurm_cpu sweeps, multi-task jobs as one DDP run, every stop
+requeued and finished bit-identical to an uninterrupted run. A two-node one (each slurmd in its own
+network namespace with its own address and host name): a multi-node job and preemption. Skipped,
+saying why, where SLURM (or network namespaces) cannot be brought up.
 
-Jobs run concurrently (the node declares more CPUs than the machine has), so the module takes about
-as long as its slowest job.
+Jobs run concurrently (a node declares more CPUs than the machine has), so the module takes about as
+long as its slowest jobs; conftest.py starts it first, so the rest of the suite runs beside it.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ DIT = [
 LAUNCHER = ["hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
             "hydra.launcher.partition=steady"]
 STOP_EPOCHS = "train.epochs=12"  # a job is stopped once an epoch of its sitting is logged: mid-run
-DIT_SAMPLING = [*DIT, "train.steps=2", "eval.num_samples=48", "sample.batch_size=2", "sample.steps=50",
-                "eval.head_load_images=0", "eval.fid_step0=false"]
 
 
 def env(cluster: SlurmCluster) -> dict[str, str]:
@@ -211,7 +209,6 @@ def references(cluster, tmp_path_factory):
         "ddp_cls": direct_run(cluster, folder / "ddp_cls", "train_cls.py", *CLS, "train.epochs=2", ranks=2),
         "ddp_dit": direct_run(cluster, folder / "ddp_dit", "train_dit.py", *DIT, "train.steps=4", "eval.enabled=false",
                               ranks=2),
-        "dit": direct_run(cluster, folder / "dit", "train_dit.py", *DIT_SAMPLING),
     }
 
 
@@ -221,11 +218,10 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     - a two-job sweep (attn=mha,moh);
     - a two-task job of each task: one DDP run (one run dir, world_size 2), the weights of
       ``torchrun --nproc_per_node=2``;
-    - classification jobs stopped in turn by SIGUSR2 (submitit's signal) and SIGUSR1, by SIGTERM sent
-      alone (``scancel --signal=TERM``) and ``scontrol requeue``, and one by SLURM's time limit: each
-      time requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an
-      uninterrupted run;
-    - a DiT job stopped during its final sampling: requeued, it samples without training again;
+    - a classification job stopped in turn by SIGUSR2 (submitit's signal), SIGUSR1, SIGTERM sent alone
+      (``scancel --signal=TERM``) and ``scontrol requeue``, and one by SLURM's time limit: each time
+      requeued (by the job itself, or SLURM) and resumed, finished bit-identical to an uninterrupted
+      run (a stop during the final sampling: tests/test_dit_train.py);
     - a job cancelled (``scancel`` without ``--signal``): saved, not requeued, the sweep fails saying so;
     - a failing two-task job: the sweep fails, the run's log says why.
     """
@@ -236,9 +232,7 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         "ddp_dit": Sweep(cluster, tmp_path / "ddp_dit", "train_dit.py", *DIT, "train.steps=4", "eval.enabled=false",
                          *two_tasks),
         "failing": Sweep(cluster, tmp_path / "failing", "train_cls.py", *CLS, "train.batch_size=129", *two_tasks),
-        "dit_sampling": Sweep(cluster, tmp_path / "dit_sampling", "train_dit.py", *DIT_SAMPLING),
-        "stops_usr": Sweep(cluster, tmp_path / "stops_usr", "train_cls.py", *CLS, STOP_EPOCHS),
-        "stops_term": Sweep(cluster, tmp_path / "stops_term", "train_cls.py", *CLS, STOP_EPOCHS),
+        "stops": Sweep(cluster, tmp_path / "stops", "train_cls.py", *CLS, STOP_EPOCHS),
         "cancelled": Sweep(cluster, tmp_path / "cancelled", "train_cls.py", *CLS, STOP_EPOCHS),
         # its limit is brought near once it trains (run_into_the_time_limit)
         "time_limit": Sweep(cluster, tmp_path / "time_limit", "train_cls.py", *CLS, STOP_EPOCHS,
@@ -251,21 +245,15 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         ["sbatch", "--parsable", "-p", "steady", "-n", "2", "-o", str(tmp_path / "srun.out"), "--wrap",
          f"srun --kill-on-bad-exit=1 {sys.executable} {ROOT / 'train_cls.py'} {overrides}"],
         env=env(cluster), cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
-    limited, dit = sweeps["time_limit"], sweeps["dit_sampling"]
-    stops = {"stops_usr": [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"]],
-             "stops_term": [["scancel", "--signal=TERM"], ["scontrol", "requeue"]],
+    limited = sweeps["time_limit"]
+    stops = {"stops": [["scancel", "--signal=USR2"], ["scancel", "--signal=USR1"], ["scancel", "--signal=TERM"],
+                       ["scontrol", "requeue"]],
              "cancelled": [["scancel"]]}
 
     def stop_in_turn(name: str) -> None:
         for sitting, command in enumerate(stops[name]):
             sweeps[name].wait_training(sitting)
             _signal(cluster, command, sweeps[name].job_id())
-
-    def stop_while_sampling() -> Path:
-        run_dir = _wait_for(lambda: next((d for d in dit.run_dirs() if (d / "checkpoints" / "step-000000002").is_dir()),
-                                         None))
-        _signal(cluster, ["scancel", "--signal=TERM"], dit.job_id())  # the last checkpoint is written: it samples
-        return run_dir
 
     def run_into_the_time_limit() -> Path:
         # Paused (SIGSTOP) once it trains, so that SLURM's signal finds it mid-run however fast it trains
@@ -280,10 +268,9 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
         cluster.scontrol("update", f"JobId={limited.job_id()}", "TimeLimit=10")  # its next sitting may finish
         return run_dir
 
-    with ThreadPoolExecutor(2 + len(stops)) as pool:
-        drivers = [pool.submit(stop_while_sampling), pool.submit(run_into_the_time_limit),
-                   *(pool.submit(stop_in_turn, name) for name in stops)]
-        dit_run, limited_dir, *_ = (driver.result() for driver in drivers)
+    with ThreadPoolExecutor(1 + len(stops)) as pool:
+        drivers = [pool.submit(run_into_the_time_limit), *(pool.submit(stop_in_turn, name) for name in stops)]
+        limited_dir, *_ = (driver.result() for driver in drivers)
 
     outcomes = {name: sweep.finish() for name, sweep in sweeps.items()}
     for name, (code, out) in outcomes.items():
@@ -307,21 +294,14 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     assert_same_weights(srun_dir, references["ddp_cls"].folder)
 
     # every stop: requeued, resumed, and the same weights as the uninterrupted run
-    for name, signals in (("stops_usr", ("SIGUSR2", "SIGUSR1")), ("stops_term", ("SIGTERM",))):  # not "cancelled"
-        (run_dir,) = sweeps[name].run_dirs()
-        log = _log(run_dir, "train_cls")
-        assert all(f"received {signal_name}" in log for signal_name in signals), log[-3000:]
-        assert log.count("resumed from") == len(stops[name]) and results(run_dir)["completed"] is True
-        assert_same_weights(run_dir, finished(references["stop"]))
+    (run_dir,) = sweeps["stops"].run_dirs()
+    log = _log(run_dir, "train_cls")
+    assert all(f"received {name}" in log for name in ("SIGUSR2", "SIGUSR1", "SIGTERM")), log[-3000:]
+    assert log.count("resumed from") == len(stops["stops"]) and results(run_dir)["completed"] is True
+    assert_same_weights(run_dir, finished(references["stop"]))
     assert "this job is timed-out" in _log(limited_dir, "train_cls")  # SLURM's signal; submitit counted a time-out
     assert "resumed from" in _log(limited_dir, "train_cls") and results(limited_dir)["completed"] is True
     assert_same_weights(limited_dir, finished(references["stop"]))
-
-    # DiT stopped while sampling: the requeued job sampled without a training step, scores as uninterrupted
-    log = _log(dit_run, "train_dit")
-    assert "resumed from" in log and "step 2/2" not in log.split("resumed from")[1], log[-2000:]
-    got, want = results(dit_run), results(finished(references["dit"]))
-    assert got["completed"] is True and got["fid"] == want["fid"] and got["train_steps"] == 2
 
     # scancel without --signal cancels: the state is saved, the job is not requeued, the sweep says so
     code, out = outcomes["cancelled"]
@@ -335,6 +315,51 @@ def test_sweeps_multi_task_jobs_and_every_stop_on_a_real_cluster(cluster, refere
     assert code != 0
     (run_dir,) = sweeps["failing"].run_dirs()
     assert "train.batch_size=129" in _log(run_dir, "train_cls")
+
+
+# ------------------------------------------------------------------ two nodes
+
+NODE_CPUS = 4
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    why = unavailable(nodes=2)
+    if why:
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2, cpus=NODE_CPUS) as up:
+        yield up
+
+
+def test_a_two_node_job_is_one_run(two_nodes, references, tmp_path):
+    """One task per node, rendezvous at the first node: one run dir, the lock never taken over from the
+    other node's task, the weights of torchrun with two processes."""
+    sweep = Sweep(two_nodes, tmp_path / "sweep", "train_cls.py", *CLS, "train.epochs=2", "hydra.launcher.nodes=2")
+    code, out = sweep.finish()
+    assert code == 0, out[-3000:]
+    (run_dir,) = sweep.run_dirs()
+    assert results(run_dir)["world_size"] == 2
+    assert "taking over" not in _log(run_dir, "train_cls")
+    assert_same_weights(run_dir, finished(references["ddp_cls"]))
+
+
+def test_a_preempted_job_is_requeued_and_finishes_bit_identical(two_nodes, references, tmp_path):
+    """A job of the low-priority partition (debug) holding a node's CPUs is preempted (REQUEUE) by a job
+    of the urgent partition on that node; it comes back and ends as the uninterrupted run."""
+    victim = Sweep(two_nodes, tmp_path / "victim", "train_cls.py", *CLS, STOP_EPOCHS, "hydra.launcher.partition=debug",
+                   f"hydra.launcher.cpus_per_task={NODE_CPUS}")
+    paused = victim.pause_when_training()  # SLURM's SIGCONT + SIGTERM of the preemption wakes it
+    node = two_nodes.job_field(victim.job_id(), "NodeList")
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-c", str(NODE_CPUS), "-w", node,
+                             "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 1"],
+                            env=two_nodes.env, capture_output=True, text=True, check=True)
+    paused.resume_when_signalled(signal.SIGTERM, timeout=120)
+    assert two_nodes.wait_state(urgent.stdout.strip(), "COMPLETED", timeout=120) == "COMPLETED"
+    code, out = victim.finish()
+    assert code == 0, out[-3000:]
+    (run_dir,) = victim.run_dirs()
+    assert "resumed from" in _log(run_dir, "train_cls")
+    assert_same_weights(run_dir, finished(references["stop"]))
 
 
 def _seconds(run_time: str) -> int:

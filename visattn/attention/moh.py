@@ -127,7 +127,7 @@ class MoHAttention(HeadAttention):
         # Per instance: the path taken per (shape, dtype), for visattn.attention.impl_choices.
         self.path_log: dict[str, PathChoice] = {}
         self.last_path: str | None = None
-        self._recall: tuple | None = None  # (what the last choice depended on, the choice)
+        self._recall: tuple | None = None  # (what the last choice depended on, its probe, the choice)
 
     @property
     def impl(self) -> str:
@@ -182,9 +182,10 @@ class MoHAttention(HeadAttention):
         The last answer is kept on the layer, so a forward like the one before costs a tuple compare."""
         dtype = compute_dtype(x)
         probe = impl_probe()
-        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, id(probe))
-        if self._recall is not None and self._recall[0] == recall:
-            return self._recall[1]
+        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path)
+        # the probe itself, not its id(): a probe freed and replaced may get the same id
+        if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:
+            return self._recall[2]
         dtype_name = str(dtype).removeprefix("torch.")
         device = device_name(x.device)
         shape = tuple(x.shape)
@@ -194,7 +195,7 @@ class MoHAttention(HeadAttention):
             runs = {path: (lambda path=path: PATHS[path](self, x)) for path in self.paths}
             key = self.probe_key(x, device, dtype_name)
             choice = probe.choose(key, runs, REFERENCE_PATH, shape, dtype_name, device)
-        self._recall = (recall, choice)
+        self._recall = (recall, probe, choice)
         self.path_log[f"{list(shape)} {dtype_name}"] = choice
         return choice
 
