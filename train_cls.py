@@ -8,6 +8,7 @@
 Configs: conf/train_cls.yaml and its groups. Prints the results (JSON) when done. Exit codes: 0 done,
 1 error (e.g. non-finite training: results.json says ``completed: false`` and why), 75 stopped by
 SIGTERM / SIGUSR1 / SIGUSR2 after saving a checkpoint (run again in the same run dir to continue).
+Under SLURM the job is requeued and resumes by itself (docs/clusters.md).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 
 Exit codes: 0 done, 1 error (e.g. non-finite training: results.json says ``completed: false`` and
 why), 75 stopped by SIGTERM / SIGUSR1 / SIGUSR2 after saving a checkpoint (run again to continue).
+Under SLURM the job is requeued and resumes by itself (docs/clusters.md).
 """
 
 from __future__ import annotations

@@ -71,12 +71,6 @@ class StopSignal:
         signal (the ranks agree on stopping): it reports SIGTERM."""
         return Preempted(self.received if self.received is not None else signal.SIGTERM, step)
 
-    def raise_if_requested(self, step: int) -> None:
-        """At a safe point outside training (an evaluation or sampling batch): ``Preempted`` at ``step``,
-        the step of the checkpoint that holds the weights being evaluated."""
-        if self.requested:
-            raise self.preempted(step)
-
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
