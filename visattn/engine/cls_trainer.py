@@ -114,6 +114,7 @@ class ClsRun:
         self.run_dir = ctx.run_dir
         self.stop = ctx.stop
         self.resume_notes = ctx.resume_notes  # an accepted config change on resume (run_identity)
+        self.definition = run_definition(OmegaConf.to_container(cfg, resolve=True))  # in every checkpoint
         self.clock = RunClock()  # every process of this run, across resumes (in the checkpoints)
         self.trained = Throughput(self.device)  # every epoch of this run, across resumes (in the checkpoints)
         self.tf32 = apply_tf32(cfg.train.get("tf32", True), self.device)
@@ -382,7 +383,7 @@ class ClsRun:
                 "amp": self.amp.record(),
             }
             save_checkpoint(self.run_dir, pos.step, weights, state,
-                            run=run_definition(OmegaConf.to_container(self.cfg, resolve=True)))
+                            run=self.definition)
         barrier()
 
     def _resume(self, found: Checkpoint, state: dict[str, Any], optimizer, ema,
