@@ -90,6 +90,12 @@ def stop_checked(batches: Sized, stop: StopSignal | None, step: int, device: tor
     if stop is None:
         yield from batches
         return
+    if not torch.distributed.is_initialized():  # one process: the flag itself, no tensor and no device sync
+        for item in batches:
+            if stop.requested:
+                raise stop.preempted(step)
+            yield item
+        return
     items = iter(batches)
     for _ in range(all_reduce_max(len(batches), device)):
         flag = torch.tensor([float(stop.requested)], device=device, dtype=torch.float64)
