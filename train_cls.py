@@ -21,8 +21,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from visattn.engine.cls_setup import RUN_GROUPS
-from visattn.engine.cls_trainer import run_cls
+from visattn.engine.cls.setup import RUN_GROUPS
+from visattn.engine.cls.trainer import run_cls
 from visattn.engine.launch import launched_rank, prepare_entry_point, reported_failures
 from visattn.engine.training_run import adopt_training_config
 

@@ -18,8 +18,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from visattn.engine.dit_setup import RUN_GROUPS
-from visattn.engine.dit_trainer import run
+from visattn.engine.dit.setup import RUN_GROUPS
+from visattn.engine.dit.trainer import run
 from visattn.engine.launch import launched_rank, prepare_entry_point, reported_failures
 from visattn.engine.training_run import adopt_training_config
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from visattn.engine.cls_setup import attn_spec, validate_cls_config
+from visattn.engine.cls.setup import attn_spec, validate_cls_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # budgets are written for one geometry; the model each one needs

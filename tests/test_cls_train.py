@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from test_engine_faults import ONE_PRECISION
 
-import visattn.engine.cls_trainer as trainer
+import visattn.engine.cls.trainer as trainer
 from visattn.engine.checkpoints import (
     EVALUATION,
     MODEL_WEIGHTS,
@@ -25,8 +25,8 @@ from visattn.engine.checkpoints import (
     remove_stale,
     save_checkpoint,
 )
-from visattn.engine.cls_setup import build_cls_model, load_model_weights
-from visattn.engine.cls_trainer import run_cls
+from visattn.engine.cls.setup import build_cls_model, load_model_weights
+from visattn.engine.cls.trainer import run_cls
 from visattn.engine.preempt import Preempted
 from visattn.utils.machine import usable_cores
 

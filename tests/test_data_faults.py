@@ -169,7 +169,7 @@ def test_unknown_bad_images_mode_names_key(folder):
 def test_skip_mode_trains_through_the_classification_engine(folder, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from visattn.engine.cls_trainer import run_cls
+    from visattn.engine.cls.trainer import run_cls
 
     root, _ = folder
     overrides = [

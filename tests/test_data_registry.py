@@ -72,7 +72,7 @@ def test_registered_toy_dataset_builds_batches_and_names_classes(toy):
 
 
 def test_registered_toy_dataset_trains_through_the_classification_engine(toy, tmp_path):
-    from visattn.engine.cls_trainer import run_cls
+    from visattn.engine.cls.trainer import run_cls
 
     overrides = [
         "data.name=toy", "data.in_chans=3", "data.num_classes=3", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]",

@@ -6,7 +6,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from visattn.engine.dit_setup import min_eval_samples, validate_dit_config
+from visattn.engine.dit.setup import min_eval_samples, validate_dit_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_engine_faults import ONE_PRECISION, env
 
-from visattn.engine.dit_sampling import all_labels
-from visattn.engine.dit_setup import sample_settings
-from visattn.engine.dit_trainer import run
+from visattn.engine.dit.sampling import all_labels
+from visattn.engine.dit.setup import sample_settings
+from visattn.engine.dit.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

@@ -14,7 +14,7 @@ from visattn.diffusion import (
     sampling_fn,
     space_timesteps,
 )
-from visattn.engine.dit_sampling import generate
+from visattn.engine.dit.sampling import generate
 from visattn.models.dit import DiT
 
 

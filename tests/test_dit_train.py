@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from visattn.data.latents import read_latent_cache
 from visattn.engine.checkpoints import latest_checkpoint
-from visattn.engine.dit_sampling import agreement_labels, all_labels
-from visattn.engine.dit_setup import sample_settings
-from visattn.engine.dit_trainer import run
+from visattn.engine.dit.sampling import agreement_labels, all_labels
+from visattn.engine.dit.setup import sample_settings
+from visattn.engine.dit.trainer import run
 from visattn.models.vae import load_sd_vae
 from visattn.utils.machine import usable_cores
 
@@ -139,9 +139,9 @@ def test_a_rank_without_head_load_images_runs_no_empty_batch(tmp_path):
     """Under DDP with fewer head-load images than ranks, a rank gets none: it must not run the
     model on an empty batch (MoH's eval path cannot reshape 0 tokens) but still join the reduction."""
     from visattn.engine.distributed import DistInfo
-    from visattn.engine.dit_data import build_train_data
-    from visattn.engine.dit_setup import build_diffusion, build_model
-    from visattn.engine.dit_train import measure_head_load
+    from visattn.engine.dit.data import build_train_data
+    from visattn.engine.dit.setup import build_diffusion, build_model
+    from visattn.engine.dit.training import measure_head_load
 
     cfg = config(*TINY_MODEL, "eval.head_load_images=1")
     model = build_model(cfg)
@@ -268,7 +268,7 @@ def test_cache_latents_checks_the_data_before_loading_the_vae(tmp_path):
 
 
 def test_first_log_row_after_a_preemption_averages_every_step_since_the_last_row(tmp_path, signal_at_step):
-    import visattn.engine.dit_train as dit_train
+    import visattn.engine.dit.training as dit_train
     from visattn.engine.preempt import Preempted
 
     every_4 = [*TINY_MODEL, "train.steps=4", "train.log_every=4", "train.ckpt_every=100"]
@@ -350,7 +350,7 @@ def test_a_stop_during_the_final_sampling_exits_at_once_and_the_resume_samples_w
     scores with no training step, as an uninterrupted run does."""
     import signal
 
-    import visattn.engine.dit_sampling as sampling
+    import visattn.engine.dit.sampling as sampling
     from visattn.engine.preempt import Preempted
 
     overrides = [*TINY_MODEL, "train.steps=2", "eval.enabled=true", "eval.num_samples=8", "sample.batch_size=2",
@@ -371,7 +371,7 @@ def test_a_stop_during_the_final_sampling_exits_at_once_and_the_resume_samples_w
     assert json.loads((tmp_path / "stopped" / "results.json").read_text())["preempted"] is True
     monkeypatch.setattr(sampling, "sample_loop", real)
     steps = []
-    import visattn.engine.dit_train as dit_train
+    import visattn.engine.dit.training as dit_train
 
     monkeypatch.setattr(dit_train, "clip_and_norm", lambda *a, **k: steps.append(1) or torch.zeros(()))
     resumed = run(config(*overrides), tmp_path / "stopped")

@@ -301,7 +301,7 @@ def test_the_dit_recipes_the_docs_name_compose_and_validate(experiment):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from visattn.engine.dit_setup import validate_dit_config
+    from visattn.engine.dit.setup import validate_dit_config
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("train_dit", overrides=[f"+experiment={experiment}"]), resolve=True)

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from visattn.engine import checkpoints
 from visattn.engine.checkpoints import latest_checkpoint, remove_stale, save_checkpoint, verify_checkpoint
-from visattn.engine.cls_trainer import run_cls
-from visattn.engine.dit_trainer import run as run_dit
+from visattn.engine.cls.trainer import run_cls
+from visattn.engine.dit.trainer import run as run_dit
 from visattn.engine.guard import NonFiniteError, NonFiniteGuard
 from visattn.engine.preempt import PREEMPTED_EXIT_CODE, Preempted
 from visattn.engine.runlock import LOCK_FILE, RunDirBusy, RunLock
@@ -221,7 +221,7 @@ def test_sigterm_saves_and_exits_then_the_run_resumes_to_completion(tmp_path):
 
 
 def test_classification_preempted_mid_epoch_resumes_there(tmp_path, signal_at_step):
-    import visattn.engine.cls_trainer as trainer
+    import visattn.engine.cls.trainer as trainer
 
     signal_at_step(trainer, 3, signal.SIGUSR1)
     with pytest.raises(Preempted, match="SIGUSR1 after step 3"):

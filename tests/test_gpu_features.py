@@ -17,12 +17,13 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import visattn.engine.cls_trainer as cls_trainer
-import visattn.engine.dit_train as dit_train
-from visattn.engine import dit_data
+import visattn.data
+import visattn.engine.cls.trainer as cls_trainer
+import visattn.engine.dit.training as dit_train
 from visattn.engine.amp import apply_tf32
-from visattn.engine.cls_trainer import run_cls
-from visattn.engine.dit_trainer import run as run_dit
+from visattn.engine.cls.trainer import run_cls
+from visattn.engine.dit import data as dit_data
+from visattn.engine.dit.trainer import run as run_dit
 from visattn.engine.ema import ModelEMA
 from visattn.engine.guard import GRADIENTS, NonFiniteError, NonFiniteGuard
 from visattn.engine.optim import adamw, adamw_kind, build_optimizer
@@ -257,7 +258,7 @@ def test_train_compile_trains_both_loops_like_eager(task, tmp_path):
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
             "equal", "is_nonzero", "allclose", "repeat_interleave"}
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
-DATA_PIPELINE = (str(Path(torch.utils.data.__file__).parent), str(Path(dit_data.__file__).parents[1] / "data"))
+DATA_PIPELINE = (str(Path(torch.utils.data.__file__).parent), str(Path(visattn.data.__file__).parent))
 
 
 class HostReads(TorchDispatchMode):

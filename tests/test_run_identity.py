@@ -7,7 +7,7 @@ import pytest
 from test_engine_faults import cls_cfg, env, script
 
 from visattn.engine.checkpoints import latest_checkpoint
-from visattn.engine.cls_trainer import run_cls
+from visattn.engine.cls.trainer import run_cls
 from visattn.engine.run_identity import RunMismatch, check_same_run, run_definition
 
 

@@ -99,10 +99,10 @@ def _build_on_meta(task: str, cfg):
 
     with torch.device("meta"):
         if task == "cls":
-            from visattn.engine.cls_setup import validate_cls_config
+            from visattn.engine.cls.setup import validate_cls_config
 
             return validate_cls_config(cfg)
-        from visattn.engine.dit_setup import build_model
+        from visattn.engine.dit.setup import build_model
 
         return build_model(OmegaConf.to_container(cfg, resolve=True))
 

@@ -11,9 +11,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from test_engine_faults import cls_cfg, dit_cfg, env
 
-from visattn.engine.cls_setup import RUN_GROUPS as CLS_GROUPS
-from visattn.engine.cls_trainer import run_cls
-from visattn.engine.dit_trainer import run as run_dit
+from visattn.engine.cls.setup import RUN_GROUPS as CLS_GROUPS
+from visattn.engine.cls.trainer import run_cls
+from visattn.engine.dit.trainer import run as run_dit
 from visattn.engine.training_run import (
     adopt_training_config,
     override_keys,

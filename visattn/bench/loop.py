@@ -1,6 +1,6 @@
 """``python -m visattn.bench loop``: the engine's training step raced against a bare PyTorch loop.
 
-For each task, the step the training loops run (``cls_trainer.ClsStep``, ``dit_train.DiTStep``: the
+For each task, the step the training loops run (``engine.cls.trainer.ClsStep``, ``engine.dit.training.DiTStep``: the
 gate, the guarded optimizer step and EMA, the loss sums, the learning rate, and the host's read of
 the counters every ``--log-every`` steps) and a bare loop of the same model, batch, precision and
 optimiser (forward, loss, backward, optimizer step, EMA; nothing else), each on its own copy of the
@@ -162,7 +162,7 @@ def _race(task: str, label: str, batch: int, model: nn.Module, opt, ema, gate, s
 def build_cls(device: torch.device, dtype_name: str, preset: str, batch: int, attn: str,
               kwargs: dict[str, Any], clip: float | None, seed: int = 0) -> LoopRace:
     """Classification: ``ClsStep`` on a ViT preset, label-smoothed cross-entropy, cosine lr."""
-    from visattn.engine.cls_trainer import ClsStep
+    from visattn.engine.cls.trainer import ClsStep
     from visattn.engine.ema import ModelEMA
     from visattn.engine.optim import WarmupSchedule, build_optimizer
     from visattn.models.vit import VIT_PRESETS, vision_transformer
@@ -205,7 +205,7 @@ def build_dit(device: torch.device, dtype_name: str, preset: str, batch: int, at
               kwargs: dict[str, Any], clip: float | None, seed: int = 0) -> LoopRace:
     """Generation: ``DiTStep`` on a DiT preset, the hybrid diffusion loss, constant lr (DiT's recipe)."""
     from visattn.diffusion import GaussianDiffusion, conditional_fn
-    from visattn.engine.dit_train import DiTStep
+    from visattn.engine.dit.training import DiTStep
     from visattn.engine.ema import ModelEMA
     from visattn.engine.optim import WarmupSchedule, adamw
     from visattn.models.dit import create_dit

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 ENTRY_POINTS = {"cls": "train_cls.py", "dit": "train_dit.py"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_DIR_OVERRIDE = re.compile(r"hydra\.run\.dir=\S+")
-# A generation run's grid of its first samples (written by visattn.engine.dit_sampling.save_samples).
+# A generation run's grid of its first samples (written by visattn.engine.dit.sampling.save_samples).
 SAMPLE_GRID = "samples.png"
 # Results that depend on the machine's speed: comparable only between runs on one kind of machine.
 TIMING_KEYS = ("train_images_per_s", "eval_images_per_s", "wall_time_s", "cpu_share")

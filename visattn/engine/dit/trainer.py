@@ -1,12 +1,12 @@
-"""DiT entry: validate the resolved config (``dit_setup``), launch (``launch``), run the mode.
+"""DiT entry: validate the resolved config (``setup``), launch (``engine.launch``), run the mode.
 
 Modes: ``train`` (AdamW at a constant lr, EMA of the weights, hybrid diffusion loss + beta * MoH
 load-balancing loss, DDP under torchrun, atomic resumable checkpoints, then sample and score with
 the EMA model), ``sample`` (N images with one seed per sample index -> ``samples.npz`` + grid PNG),
 ``eval`` (sample + score -> ``results.json``) and ``cache_latents`` (pre-encode a dataset with the
 SD VAE). Pixel-space runs (``vae=none``) work on in-memory images in [-1, 1]; latent runs read the
-latent cache (``data.latents``). One module per job: dit_setup (config), dit_data, dit_train (the
-loop), dit_eval (sampling + scores, sample / eval modes), dit_latents (cache_latents).
+latent cache (``data.latents``). One module per job in this package: setup (config), data, training
+(the loop), sampling, evaluation (scores, sample / eval modes), latents (cache_latents).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from visattn.engine.dit_eval import eval_mode, sample_mode
-from visattn.engine.dit_latents import cache_latents_mode
-from visattn.engine.dit_setup import validate_dit_config
-from visattn.engine.dit_train import train
+from visattn.engine.dit.evaluation import eval_mode, sample_mode
+from visattn.engine.dit.latents import cache_latents_mode
+from visattn.engine.dit.setup import validate_dit_config
+from visattn.engine.dit.training import train
 from visattn.engine.guard import NonFiniteError
 from visattn.engine.launch import launched
 from visattn.engine.preempt import Preempted

@@ -10,10 +10,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .distributed import all_reduce_sum
-from .head_load import HeadLoadMeter
-from .preempt import StopSignal, stop_checked
-from .results import Throughput
+from visattn.engine.distributed import all_reduce_sum
+from visattn.engine.head_load import HeadLoadMeter
+from visattn.engine.preempt import StopSignal, stop_checked
+from visattn.engine.results import Throughput
 
 
 @torch.no_grad()

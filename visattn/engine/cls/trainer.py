@@ -33,11 +33,8 @@ from visattn.data.datasets import build_datasets
 from visattn.data.images import skipped_files
 from visattn.data.loaders import build_loaders, build_mixup
 from visattn.data.registry import class_names
-from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
-from visattn.utils.flops import active_head_flops
-
-from .amp import StepProbe, apply_tf32, choose_amp
-from .checkpoints import (
+from visattn.engine.amp import StepProbe, apply_tf32, choose_amp
+from visattn.engine.checkpoints import (
     EMA_WEIGHTS,
     MODEL_WEIGHTS,
     Checkpoint,
@@ -45,8 +42,8 @@ from .checkpoints import (
     record_evaluation,
     save_checkpoint,
 )
-from .cls_eval import evaluate
-from .cls_setup import (
+from visattn.engine.cls.evaluation import evaluate
+from visattn.engine.cls.setup import (
     BEST_WEIGHTS,
     attn_spec,
     budget_name,
@@ -55,15 +52,15 @@ from .cls_setup import (
     log_head_budget,
     validate_cls_config,
 )
-from .data_skip import skip_first_batches
-from .distributed import all_gather_object, all_reduce_sum, barrier, broadcast_module
-from .ema import ModelEMA, unwrap_model
-from .guard import GRADIENTS, NonFiniteError, NonFiniteGuard, cause_hint, require_finite
-from .head_load import HEAD_LOAD_FILE, HeadLoadMeter
-from .launch import Launched, launched, seed_everything
-from .optim import WarmupSchedule, build_optimizer
-from .preempt import Preempted
-from .results import (
+from visattn.engine.data_skip import skip_first_batches
+from visattn.engine.distributed import all_gather_object, all_reduce_sum, barrier, broadcast_module
+from visattn.engine.ema import ModelEMA, unwrap_model
+from visattn.engine.guard import GRADIENTS, NonFiniteError, NonFiniteGuard, cause_hint, require_finite
+from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
+from visattn.engine.launch import Launched, launched, seed_everything
+from visattn.engine.optim import WarmupSchedule, build_optimizer
+from visattn.engine.preempt import Preempted
+from visattn.engine.results import (
     RunClock,
     Throughput,
     count_params,
@@ -72,10 +69,12 @@ from .results import (
     write_json,
     write_results,
 )
-from .run_identity import run_definition
-from .runlog import MetricsLogger
-from .step import StepGate, clip_and_norm, compiled, optimizer_step
-from .training_run import refuse_to_overwrite_training
+from visattn.engine.run_identity import run_definition
+from visattn.engine.runlog import MetricsLogger
+from visattn.engine.step import StepGate, clip_and_norm, compiled, optimizer_step
+from visattn.engine.training_run import refuse_to_overwrite_training
+from visattn.utils.checkpoint import rng_state, save_weights, set_rng_state
+from visattn.utils.flops import active_head_flops
 
 log = logging.getLogger(__name__)
 

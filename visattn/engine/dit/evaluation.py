@@ -21,9 +21,9 @@ from visattn.engine.distributed import (
     DistInfo,
     broadcast_object,
 )
-from visattn.engine.dit_data import build_codec
-from visattn.engine.dit_sampling import agreement_labels, all_labels, build_scorer, generate_all, save_samples
-from visattn.engine.dit_setup import build_diffusion, build_model, sample_settings
+from visattn.engine.dit.data import build_codec
+from visattn.engine.dit.sampling import agreement_labels, all_labels, build_scorer, generate_all, save_samples
+from visattn.engine.dit.setup import build_diffusion, build_model, sample_settings
 from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
     Throughput,

@@ -36,10 +36,10 @@ from visattn.engine.distributed import (
     barrier,
     broadcast_module,
 )
-from visattn.engine.dit_data import EpochBatches, build_train_data, to_device
-from visattn.engine.dit_eval import evaluate_model, run_info
-from visattn.engine.dit_sampling import build_scorer
-from visattn.engine.dit_setup import build_diffusion, build_model
+from visattn.engine.dit.data import EpochBatches, build_train_data, to_device
+from visattn.engine.dit.evaluation import evaluate_model, run_info
+from visattn.engine.dit.sampling import build_scorer
+from visattn.engine.dit.setup import build_diffusion, build_model
 from visattn.engine.ema import ModelEMA, unwrap_model
 from visattn.engine.guard import GRADIENTS, NonFiniteGuard, cause_hint, require_finite
 from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter

@@ -18,7 +18,7 @@ from visattn.data.registry import array_dataset_names, is_array_dataset, load_ar
 from visattn.engine.distributed import (
     DistInfo,
 )
-from visattn.engine.dit_setup import pixel_canvas, uses_vae
+from visattn.engine.dit.setup import pixel_canvas, uses_vae
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from visattn.engine.distributed import (
     DistInfo,
 )
-from visattn.engine.dit_data import image_source
+from visattn.engine.dit.data import image_source
 from visattn.engine.preempt import StopSignal, stop_checked
 
 log = logging.getLogger(__name__)

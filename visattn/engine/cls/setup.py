@@ -16,14 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 import visattn.models  # noqa: F401  (registers the visattn_* timm models)
 from visattn.attention import active_heads, attention_modules, convert_moh_state_dict
 from visattn.data.datasets import check_data_config
+from visattn.engine.amp import normalize_amp
+from visattn.engine.checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
 from visattn.models.budgets import apply_budget
 from visattn.models.transnext import TransNeXt
 from visattn.models.transnext import checkpoint_filter_fn as transnext_checkpoint_filter_fn
 from visattn.utils.checkpoint import load_weights
 from visattn.utils.checks import require_count, require_positive
-
-from .amp import normalize_amp
-from .checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
 
 log = logging.getLogger(__name__)
 

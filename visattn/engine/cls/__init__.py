@@ -1,0 +1,2 @@
+"""Classification: config checks and model building (``setup``), the entry ``run_cls`` and its
+training loop (``trainer``), top-1 evaluation (``evaluation``)."""

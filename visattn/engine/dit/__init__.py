@@ -1,0 +1,3 @@
+"""Class-conditional DiT: config checks and builders (``setup``), data and latent caches (``data``,
+``latents``), the training loop (``training``), sampling and scores (``sampling``, ``evaluation``),
+the entry ``run`` dispatching the modes (``trainer``)."""
