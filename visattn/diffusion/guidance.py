@@ -25,8 +25,8 @@ DIT_GUIDED_CHANNELS = 3  # the first 3 model-output channels, as DiT's forward_w
 
 
 def conditional_fn(model: nn.Module, y: torch.Tensor) -> ModelFn:
-    """(x_t, t) -> model(x_t, t, y)."""
-    return lambda x, t: model(x, t, y)
+    """(x_t, t) -> model(x_t, t, y) in fp32 (under autocast the model's output is bf16)."""
+    return lambda x, t: model(x, t, y).float()
 
 
 def check_guided_channels(guided_channels: int | None) -> None:

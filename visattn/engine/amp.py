@@ -37,6 +37,19 @@ BF16_MARGIN = 1.25  # auto picks bf16 on CPU only when its probes find bf16 at l
 _LEGACY = {True: "bf16", False: "none", "true": "bf16", "false": "none", "True": "bf16", "False": "none"}
 
 
+def sampling_amp(setting: str, device: torch.device | str) -> str:
+    """``sample.amp`` -> the precision of the model's forwards while sampling, ``bf16`` or ``none``.
+    ``auto``: bf16 on a CUDA device that has it (the sampling steps are the model's forwards, and
+    bf16 runs them at the GPU's speed); fp32 elsewhere, so a CPU run's samples are the same on every
+    CPU kind (no probe: a timing-dependent choice would make two evaluations of one checkpoint
+    differ). The diffusion's own arithmetic stays fp32 either way."""
+    setting = normalize_amp(setting, "sample.amp")
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "none"
+
+
 def normalize_amp(value: Any, key: str = "train.amp") -> str:
     """``value`` as one of AMP_SETTINGS (legacy booleans mapped, with a warning)."""
     if isinstance(value, str) and value in AMP_SETTINGS:

@@ -29,7 +29,7 @@ RUN_ONLY_KEYS = (
     "train.num_threads", "train.progress", "train.tensorboard", "train.log_every", "train.ckpt_every",
     "train.compile", "train.tf32",
     "train.eval_every", "train.eval_batch_size", "train.stop_after_epoch",
-    "data.num_workers", "sample.batch_size", "eval.extractor_device", "cache",
+    "data.num_workers", "sample.batch_size", "sample.compile", "eval.extractor_device", "cache",
 )
 TRAINING_LENGTH_KEYS = ("train.epochs", "train.steps")
 

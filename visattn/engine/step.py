@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -173,14 +174,17 @@ class StepGate:
         return values[6:]
 
 
-def compiled(module: nn.Module, setting: bool | str | None) -> nn.Module:
-    """``train.compile``: ``module`` through ``torch.compile`` (true: the default inductor backend; a
-    string: that backend, e.g. ``aot_eager``), or as it is (false). The weights stay the module's:
-    optimizer, EMA and checkpoints see the same parameters."""
-    if setting is None or setting is False:
+def check_compile_setting(setting: Any, key: str = "train.compile") -> None:
+    """Raise ValueError naming ``key`` unless ``setting`` is true, false/None or a backend name."""
+    if not (setting is None or isinstance(setting, bool) or (isinstance(setting, str) and setting)):
+        raise ValueError(f"{key}={setting!r} must be true, false or a torch.compile backend name (e.g. aot_eager)")
+
+
+def compiled(module: nn.Module, setting: bool | str | None, key: str = "train.compile") -> nn.Module:
+    """``train.compile`` / ``sample.compile``: ``module`` through ``torch.compile`` (true: the default
+    inductor backend; a string: that backend, e.g. ``aot_eager``), or as it is (false). The weights
+    stay the module's: optimizer, EMA and checkpoints see the same parameters."""
+    check_compile_setting(setting, key)
+    if not setting:
         return module
-    if setting is True:
-        return torch.compile(module)
-    if isinstance(setting, str) and setting:
-        return torch.compile(module, backend=setting)
-    raise ValueError(f"train.compile={setting!r} must be true, false or a torch.compile backend name")
+    return torch.compile(module) if setting is True else torch.compile(module, backend=setting)

@@ -18,6 +18,7 @@ from visattn.attention import active_heads, attention_modules, convert_moh_state
 from visattn.data.datasets import check_data_config
 from visattn.engine.amp import normalize_amp
 from visattn.engine.checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
+from visattn.engine.step import check_compile_setting
 from visattn.models.budgets import apply_budget
 from visattn.models.transnext import TransNeXt
 from visattn.models.transnext import checkpoint_filter_fn as transnext_checkpoint_filter_fn
@@ -97,10 +98,7 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
     require_count("train.log_every", train.get("log_every", 50))
     if not isinstance(train.get("tf32", True), bool):
         raise ValueError(f"train.tf32={train.tf32!r} must be true or false")
-    compile_setting = train.get("compile", False)
-    if not (isinstance(compile_setting, bool) or (isinstance(compile_setting, str) and compile_setting)):
-        raise ValueError(f"train.compile={compile_setting!r} must be true, false or a torch.compile backend name "
-                         "(e.g. aot_eager)")
+    check_compile_setting(train.get("compile", False))
     if train.stop_after_epoch is not None:
         require_count("train.stop_after_epoch", train.stop_after_epoch)
     require_positive("optim.lr", cfg.optim.lr)

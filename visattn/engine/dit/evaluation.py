@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import visattn
+from visattn.engine.amp import apply_tf32, sampling_amp
 from visattn.engine.checkpoints import (
     EMA_WEIGHTS,
     resolve_checkpoint,
@@ -85,6 +86,7 @@ def evaluate_model(
             f"{key} {scores[key]:.4g}" for key in ("fid", "sfid", "is", "precision", "recall", "class_agreement")
             if isinstance(scores.get(key), float)))
         scores.update({
+            **sampling_record(settings, dist.device),
             "cfg_scale": float(settings["cfg_scale"]),
             "guided_channels": settings.get("guided_channels"),
             "sampling_steps": diffusion.num_timesteps,
@@ -93,6 +95,12 @@ def evaluate_model(
             "eval_images_per_s": timer.rate,
         })
     return broadcast_object(scores)
+
+
+def sampling_record(settings: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """How the samples were computed, for results.json: the model's precision and compile setting."""
+    return {"sample_amp": sampling_amp(settings.get("amp", "auto"), device),
+            "sample_compile": settings.get("compile", False)}
 
 
 def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
@@ -115,6 +123,7 @@ def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
 
 
 def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
+    tf32 = apply_tf32(bool(cfg["train"].get("tf32", True)), dist.device)
     model = load_for_sampling(cfg, dist.device)
     num_samples = int(cfg["sample"]["num_samples"])
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
@@ -126,13 +135,14 @@ def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: Sto
         return {}
     labels = all_labels(sample_settings(cfg), num_samples, model.num_classes)
     path = save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
-    return {"samples": str(path), "num_samples": num_samples}
+    return {"samples": str(path), "num_samples": num_samples, "tf32": tf32, **sampling_record(sample_settings(cfg), dist.device)}
 
 
 def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
+    tf32 = apply_tf32(bool(cfg["train"].get("tf32", True)), dist.device)
     model = load_for_sampling(cfg, dist.device)
     scorer = build_scorer(cfg) if dist.is_main else None
-    results = run_info(model, cfg, dist)
+    results = {**run_info(model, cfg, dist), "tf32": tf32}
     results.update(evaluate_model(model, cfg, dist, run_dir, scorer, save=True, stop=stop))
     results["attention_paths"] = visattn.attention.impl_choices(model)  # after the evaluation's forwards
     return results

@@ -22,8 +22,10 @@ from tqdm.auto import tqdm
 from visattn.data.latents import to_uint8
 from visattn.data.registry import domain_extractor, is_array_dataset
 from visattn.diffusion import GaussianDiffusion, sample_generators, sample_loop, sampling_fn
+from visattn.engine.amp import sampling_amp
 from visattn.engine.distributed import DistInfo, barrier
 from visattn.engine.preempt import StopSignal, stop_checked
+from visattn.engine.step import compiled
 from visattn.metrics import GenerationScorer, ReferenceBatch, build_extractor, dataset_images, save_npz_batch
 from visattn.metrics.agreement import LABEL_EXTRACTORS
 from visattn.utils.checkpoint import atomic_write_bytes
@@ -58,8 +60,13 @@ def generate(
     Each index has its own seed for the initial noise, every step's noise and its label, so the
     result does not depend on the batch or process that draws it. ``stop``: a stop signal ends the
     sampling after the current batch with ``Preempted`` at ``step`` (the checkpoint sampled from).
+    ``sample_cfg["amp"]`` (``engine.amp.sampling_amp``) sets the precision of the model's forwards,
+    ``sample_cfg["compile"]`` compiles the model for this call (``engine.step.compiled``); the
+    diffusion's arithmetic and the decoder run in fp32.
     """
     model.eval()
+    bf16 = sampling_amp(sample_cfg.get("amp", "auto"), device) == "bf16"
+    forward = compiled(model, sample_cfg.get("compile", False), "sample.compile")
     shape = (model.in_channels, model.input_size, model.input_size)
     labels = sample_labels(seed, indices, model.num_classes)
     batch = int(sample_cfg["batch_size"])
@@ -68,12 +75,13 @@ def generate(
     for start in tqdm(starts, total=-(-len(indices) // batch), desc="sampling", disable=not progress):
         part = indices[start : start + batch]
         y = labels[start : start + batch].to(device)
-        fn = sampling_fn(model, y, float(sample_cfg["cfg_scale"]), sample_cfg.get("guided_channels"))
-        x = sample_loop(
-            diffusion, fn, shape, sample_generators(seed, part, device), device,
-            method=sample_cfg["sampler"], eta=float(sample_cfg.get("eta", 0.0)),
-            clip_denoised=bool(sample_cfg.get("clip_denoised", False)),
-        )
+        fn = sampling_fn(forward, y, float(sample_cfg["cfg_scale"]), sample_cfg.get("guided_channels"))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # the model's output is cast to fp32
+            x = sample_loop(
+                diffusion, fn, shape, sample_generators(seed, part, device), device,
+                method=sample_cfg["sampler"], eta=float(sample_cfg.get("eta", 0.0)),
+                clip_denoised=bool(sample_cfg.get("clip_denoised", False)),
+            )
         out.append(to_uint8(decode(x)))
     images = np.concatenate(out) if out else np.zeros((0, 1, 1, 1), np.uint8)
     return images, labels.numpy()

@@ -19,6 +19,7 @@ from visattn.diffusion.sampling import SAMPLERS
 from visattn.diffusion.schedule import space_timesteps
 from visattn.engine.amp import normalize_amp
 from visattn.engine.optim import SCHEDULES
+from visattn.engine.step import check_compile_setting
 from visattn.metrics import GenerationScorer
 from visattn.models.budgets import apply_budget
 from visattn.models.dit import DiT, dit_preset_config
@@ -126,9 +127,7 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     require_count("train.ckpt_every", train["ckpt_every"])
     train["amp"] = normalize_amp(train["amp"])
     require(isinstance(train.get("tf32", True), bool), "train.tf32", train.get("tf32"), "must be true or false")
-    compile_setting = train.get("compile", False)
-    require(isinstance(compile_setting, bool) or (isinstance(compile_setting, str) and compile_setting),
-            "train.compile", compile_setting, "must be true, false or a torch.compile backend name (e.g. aot_eager)")
+    check_compile_setting(train.get("compile", False))
     sched = cfg["sched"]
     require(sched["name"] in SCHEDULES, "sched.name", sched["name"], f"is not known; use one of {'|'.join(SCHEDULES)}")
     for key in ("warmup_epochs", "warmup_lr", "min_lr"):
@@ -146,6 +145,8 @@ def _check_sampling(cfg: dict[str, Any], in_channels: int, scoring: bool) -> Non
     if mode == "sample":
         require_count("sample.num_samples", sample["num_samples"])
     require_count("sample.grid", sample["grid"], minimum=0)
+    sample["amp"] = normalize_amp(sample.get("amp", "auto"), "sample.amp")
+    check_compile_setting(sample.get("compile", False), "sample.compile")
     require(sample["sampler"] in SAMPLERS, "sample.sampler", sample["sampler"], f"is not known; use one of {SAMPLERS}")
     require_positive("sample.eta", sample["eta"], allow_zero=True)
     try:
