@@ -175,6 +175,27 @@ def test_routing_is_compared_with_fewer_heads_at_the_same_budget(tmp_path: Path)
     assert not any(line.startswith("| moh-90 | mha") for line in text.splitlines())  # MHA is not a partner
 
 
+def test_head_choice_is_compared_with_token_choice_routed_alike(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    budget = {"shared_heads": [2, 2], "routed_topk": [1, 2]}
+
+    def config(name: str, **attn) -> dict:
+        return {"config": {"attn": {"name": name, "two_stage": None, **attn}, "budget": {"name": "none", **budget}}}
+
+    for seed in range(3):
+        make_run(root, "cls", "mha", seed, (8, 8), {"top1": 0.85 + 0.001 * seed})
+        make_run(root, "cls", "moh-50", seed, (4, 8), {"top1": 0.84 + 0.001 * seed}, routed=True, **config("moh"))
+        make_run(root, "cls", "moh-50-one-stage", seed, (4, 8), {"top1": 0.80 + 0.001 * seed}, routed=True,
+                 **config("moh", two_stage=False))
+        make_run(root, "cls", "moh-50-head-choice", seed, (4, 8), {"top1": 0.82 + 0.0011 * seed}, routed=True,
+                 **config("moh_head_choice"))
+    text = write_report([root], tmp_path / "out").read_text()
+    section = text.split("### Head choice against token choice (same budget)")[1].split("###")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| moh-50-head-choice |")]
+    assert len(rows) == 1 and rows[0].startswith("| moh-50-head-choice | moh-50 | 4 |"), section  # not one-stage
+    assert rows[0].split("|")[6].strip().startswith("worse: -1.99"), rows  # paired top-1, in percent
+
+
 def test_unmeasured_values_are_a_dash_never_estimated(tmp_path: Path) -> None:
     run = make_run(tmp_path / "runs", "cls", "mha", 0, (8, 8), {"top1": 0.8})
     results = json.loads((run / "results.json").read_text())

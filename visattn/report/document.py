@@ -33,6 +33,7 @@ from .tables import (
     markdown_table,
     noise_statement,
     quality_table,
+    routing_kind_table,
     same_budget_table,
 )
 from .targets import Targets, target_table
@@ -146,6 +147,15 @@ def _task_section(task: str, cells: list[Cell], out: Path, targets: Mapping[str,
                   "(a narrower plain MHA): does choosing heads per token beat simply having fewer heads? "
                   "Paired by seed, Holm-corrected over this table.", "",
                   same_budget, ""]
+    by_kind = routing_kind_table(cells)
+    if by_kind:
+        lines += ["### Head choice against token choice (same budget)", "",
+                  "Each head-choice cell (every routed head takes a fixed share of the image's tokens) "
+                  "against the token-choice MoH cell with the same per-layer budget and router: is the "
+                  "quality the same? Paired by seed, Holm-corrected over this table. Their speed is "
+                  "compared by `python -m visattn.bench` on one machine (docs/results/benchmarks.md), "
+                  "not by these runs' clocks.", "",
+                  by_kind, ""]
     lines += ["### Cost", "", cost_table(cells, reference), ""]
     if timing_note:
         lines += [timing_note, ""]

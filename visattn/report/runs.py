@@ -38,6 +38,8 @@ SAMPLE_GRID = "samples.png"
 TIMING_KEYS = ("train_images_per_s", "eval_images_per_s", "wall_time_s", "cpu_share")
 # Attention kwargs that distinguish two variants with one registered name (ablations).
 DISTINGUISHING_KWARGS = ("two_stage", "router", "gate", "num_kv_heads")
+# Mixture-of-Head's routings by attention name: each token picks its heads, or each head its tokens.
+ROUTING_KINDS = {"moh": "token_choice", "moh_head_choice": "head_choice"}
 
 
 def _repo_relative(path: Path) -> str:
@@ -80,6 +82,20 @@ class Run:
     @property
     def seed(self) -> Any:
         return self.results.get("seed")
+
+    @property
+    def routing(self) -> tuple[str, str] | None:
+        """(kind, set-up) of a Mixture-of-Head run: kind ``token_choice`` (attn=moh) or ``head_choice``
+        (attn=moh_head_choice); the set-up names the per-layer budget and the router settings, so two
+        runs routed alike but for the kind have equal set-ups. None for other attention."""
+        config = self.results.get("config") or {}
+        attn = config.get("attn") or {}
+        kind = ROUTING_KINDS.get(attn.get("name"))
+        if kind is None:
+            return None
+        budget = {k: v for k, v in (config.get("budget") or {}).items() if k != "name" and v is not None}
+        setup = {**{k: v for k, v in attn.items() if k != "name"}, **budget}
+        return kind, json.dumps(setup, sort_keys=True)
 
     @property
     def machine(self) -> str | None:
@@ -138,6 +154,10 @@ class Cell:
     @property
     def routed(self) -> bool:
         return any(run.head_load for run in self.runs)
+
+    @property
+    def routing(self) -> tuple[str, str] | None:
+        return self.runs[0].routing if self.runs else None
 
     def values(self, key: str) -> list[float]:
         return [v for v in (run.value(key) for run in self.runs) if v is not None]

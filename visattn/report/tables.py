@@ -147,13 +147,30 @@ def same_budget_pairs(cells: Sequence[Cell], reference: Cell | None) -> list[tup
 def same_budget_table(cells: Sequence[Cell], reference: Cell | None) -> str | None:
     """Routing against simply having fewer heads: per pair, the headline metric of both and the
     paired, Holm-corrected verdict on every quality metric; None without pairs."""
-    pairs = same_budget_pairs(cells, reference)
-    metrics = quality_metrics(cells[0].task) if cells else ()
+    return _pair_table(same_budget_pairs(cells, reference), ("routed", "without routing"))
+
+
+def routing_kind_pairs(cells: Sequence[Cell]) -> list[tuple[Cell, Cell]]:
+    """(head-choice cell, token-choice cell) pairs routed alike but for the kind: the same per-layer
+    budget and router settings (``Run.routing``)."""
+    token_choice = {cell.routing[1]: cell for cell in cells if cell.routing and cell.routing[0] == "token_choice"}
+    return [(cell, token_choice[cell.routing[1]]) for cell in cells
+            if cell.routing and cell.routing[0] == "head_choice" and cell.routing[1] in token_choice]
+
+
+def routing_kind_table(cells: Sequence[Cell]) -> str | None:
+    """Head choice against token choice at the same budget: per pair, the headline metric of both
+    and the paired, Holm-corrected verdict on every quality metric; None without pairs."""
+    return _pair_table(routing_kind_pairs(cells), ("head choice", "token choice"))
+
+
+def _pair_table(pairs: Sequence[tuple[Cell, Cell]], names: tuple[str, str]) -> str | None:
+    metrics = quality_metrics(pairs[0][0].task) if pairs else ()
     if not pairs or not metrics:
         return None
-    headline = metrics[0]
-    header = ["routed", "without routing", "active heads", f"{headline.label}, routed",
-              f"{headline.label}, without routing", *(f"{m.label}: routed vs without" for m in metrics)]
+    headline, (first, second) = metrics[0], names
+    header = [first, second, "active heads", f"{headline.label}, {first}",
+              f"{headline.label}, {second}", *(f"{m.label}: {first} vs {second}" for m in metrics)]
     family = paired_family(pairs, metrics)
     rows = []
     for (routed, other), row in zip(pairs, family, strict=True):
