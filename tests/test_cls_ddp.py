@@ -3,9 +3,11 @@
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,22 +49,30 @@ def test_a_resumed_ddp_run_logs_the_losses_of_an_uninterrupted_one(tmp_path):
     reduced into the checkpoint, so epoch 2's logged loss is the uninterrupted run's (it was rank 0's alone)."""
     tiny = [*TINY, "train.batch_size=32", "train.epochs=2"]  # 44 steps an epoch: a stop lands mid-epoch
 
-    def torchrun(run_dir, *extra):
+    def torchrun(run_dir, *extra, progress=False):
+        args = [a for a in tiny if not a.startswith("train.progress=")] + [f"train.progress={str(progress).lower()}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "train_cls.py"), *tiny, *extra, f"hydra.run.dir={run_dir}"]
+               str(ROOT / "train_cls.py"), *args, *extra, f"hydra.run.dir={run_dir}"]
         return subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
     whole = torchrun(tmp_path / "whole")
-    stopped = torchrun(tmp_path / "stopped")
-    metrics = tmp_path / "stopped" / "metrics.csv"
+    # Rank 0's progress bar says when epoch 2 has taken a step: the stop then lands mid-epoch however
+    # slow the machine (waiting for epoch 1's metrics row alone raced the start of epoch 2).
+    stopped = torchrun(tmp_path / "stopped", progress=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(iter(lambda: stopped.stdout.read(1), "")), daemon=True)
+    reader.start()
+    in_epoch_2 = re.compile(r"epoch 2/2:\s*\d+%\|[^|]*\|\s*[1-9]\d*/\d+")
     deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
-        assert stopped.poll() is None, stopped.stdout.read()[-3000:]
+    while not in_epoch_2.search("".join(seen)) and time.monotonic() < deadline:
+        assert stopped.poll() is None, "".join(seen)[-3000:]
         time.sleep(0.05)
     lock = json.loads((tmp_path / "stopped" / ".run.lock").read_text())  # rank 0 holds it
     os.kill(lock["pid"], signal.SIGUSR1)
-    out, _ = stopped.communicate(timeout=240)
+    stopped.wait(timeout=240)
+    reader.join(timeout=30)
+    out = "".join(seen)
     assert stopped.returncode != 0 and "stopped by SIGUSR1" in out, out[-3000:]
     assert latest_checkpoint(tmp_path / "stopped").state()["batches"] > 0  # mid-epoch
     resumed = torchrun(tmp_path / "stopped")
