@@ -143,3 +143,34 @@ def test_cli_refuses_counts_out_of_range_with_a_usage_error(flag, value, capsys)
     assert exit_info.value.code == 2  # argparse's usage error, not a traceback from inside the bench
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and ("is below" in err or "is not an integer" in err)
+
+
+def test_study_mode_times_the_studys_own_models(tmp_path, capsys):
+    """Both tasks' models as the study builds them (its configs, cell budgets), inference and an
+    optimizer step, with the path each layer's inference took and the throughput ratios printed."""
+    out = tmp_path / "study.json"
+    main(["study", "--tasks", "cls", "dit", "--cells", "mha", "moh-50", "--batch", "2", "--warmup", "0",
+          "--repeats", "1", "--threads", "1", "--clock", "cpu", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["preset"], r["label"]): r for r in rows}
+    assert set(by) == {(f"study-{t}", c) for t in ("cls", "dit") for c in ("mha", "moh-50")}
+    for task in ("cls", "dit"):
+        mha, moh = by[(f"study-{task}", "mha")], by[(f"study-{task}", "moh-50")]
+        assert mha["active_heads"] == [48, 48] and moh["active_heads"] == [24, 48]  # conf/study/cells.yaml
+        assert mha["infer_ratio"] == 1.0 and mha["train_ratio"] == 1.0
+        assert moh["train_images_per_s"] == pytest.approx(2 / (moh["train_ms"] / 1e3))
+        assert len(moh["paths"]) == 6 and all(p in ("masked_dense", "dense_projections", "sparse_projections")
+                                              for p in moh["paths"])
+    text = capsys.readouterr().out
+    assert "### study-dit, fp32" in text and "img/s infer vs ref" in text
+
+
+def test_a_study_workload_steps_its_optimizer():
+    from visattn.bench.study import build_study_workload
+
+    work = build_study_workload("cls", "moh-75", batch=2)
+    before = {n: p.detach().clone() for n, p in work.module.named_parameters()}
+    work.module.train()
+    work.train_step("fp32")
+    moved = [n for n, p in work.module.named_parameters() if not torch.equal(p, before[n])]
+    assert any(".router." in n for n in moved) and any(".qkv." in n for n in moved)

@@ -1,4 +1,4 @@
-"""CLI: ``python -m visattn.bench attention|model|paths|loop ...``.
+"""CLI: ``python -m visattn.bench attention|model|paths|study|loop ...``.
 
 Prints a markdown table and writes every measurement (raw samples included) to ``--out`` as JSON.
 Ratios are to the reference (``mha``) measured in the same interleaved rounds; report those, not
@@ -25,6 +25,7 @@ from .loop import TASKS, loop_table, run_loop_bench
 from .models import MODEL_PRESETS, run_model_bench
 from .paths import paths_table, run_paths_bench
 from .report import markdown_table
+from .study import STUDY_TASKS, run_study_bench
 from .workload import DTYPES
 
 DEFAULT_SHAPES = ["32,197,384,6", "32,256,768,12"]
@@ -83,6 +84,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mod.add_argument("--batch", type=int_at_least(1), default=32)
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     _common(mod)
+    study = sub.add_parser("study", help="the study's models (conf/study/), whole, per cell: images/s")
+    study.add_argument("--tasks", nargs="+", default=list(STUDY_TASKS), choices=STUDY_TASKS)
+    study.add_argument(
+        "--cells", nargs="+", default=["mha", "moh-50", "moh-75", "moh-90"],
+        help="cells of conf/study/cells.yaml; the first is the reference",
+    )
+    study.add_argument("--batch", type=int_at_least(1), default=256)
+    study.add_argument("--profile", default="full", help="the study profile whose command lines build the models")
+    study.add_argument("--memory", dest="memory", action="store_true", help="measure peak memory too")
+    _common(study)
+    study.set_defaults(dtypes=["fp32"], memory=False)
     loop = sub.add_parser("loop", help="the engine's training step vs a bare PyTorch loop, per task (overhead)")
     loop.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     loop.add_argument("--vit", default="small_patch16_224", help="classification: a ViT preset (visattn.models.vit)")
@@ -145,6 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
             masked=args.masked,
         )
         table = markdown_table(rows, "shape")
+    elif args.mode == "study":
+        rows = run_study_bench(args.tasks, args.cells, args.batch, args.dtypes, args.warmup, args.repeats,
+                               args.train, args.memory, clock=args.clock, profile=args.profile)
+        table = markdown_table(rows, "preset")
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]
         rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock)

@@ -9,6 +9,11 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _inverse(ratio: float | None) -> float | None:
+    """A time ratio as a throughput ratio (images/s relative to the reference)."""
+    return 1.0 / ratio if ratio else None
+
+
 def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
     """One table per (``group_key`` value, dtype); skipped rows listed after."""
     out: list[str] = []
@@ -26,7 +31,7 @@ def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
             "| GFLOP train | % peak infer | % peak train | MiB infer | MiB train |"
         )
         if images:
-            head += " img/s infer | img/s train |"
+            head += " img/s infer | img/s train | img/s infer vs ref | img/s train vs ref |"
         out.append(head)
         out.append("|" + "---|" * (head.count("|") - 1))
         for r in members:
@@ -46,7 +51,8 @@ def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
                 _fmt(r.get("train_peak_mb"), ".1f"),
             ]
             if images:
-                cells += [_fmt(r.get("infer_images_per_s"), ".1f"), _fmt(r.get("train_images_per_s"), ".1f")]
+                cells += [_fmt(r.get("infer_images_per_s"), ".1f"), _fmt(r.get("train_images_per_s"), ".1f"),
+                          _fmt(_inverse(r.get("infer_ratio")), ".3f"), _fmt(_inverse(r.get("train_ratio")), ".3f")]
             out.append("| " + " | ".join(cells) + " |")
     skipped = [r for r in rows if "skipped" in r]
     if skipped:

@@ -41,11 +41,13 @@ def moh_impl(module: nn.Module, impl: str | None):
 class Workload:
     """``module(*inputs)`` -> a tensor (or a tuple whose first item is the output).
     ``infer_impl``: the MoH ``impl`` inference runs with (None: the module's own; training always
-    runs with the module's own)."""
+    runs with the module's own). ``optimizer``: stepped at the end of each training step (None: the
+    step is forward and backward only)."""
 
     module: nn.Module
     inputs: tuple[torch.Tensor, ...]
     infer_impl: str | None = None
+    optimizer: torch.optim.Optimizer | None = None
 
     def forward(self) -> torch.Tensor:
         out = self.module(*self.inputs)
@@ -60,9 +62,11 @@ class Workload:
         return loss + AUX_WEIGHT * aux_loss(self.module)
 
     def train_step(self, dtype_name: str) -> None:
-        """Forward and backward (the optimiser update is the same for every variant and left out)."""
+        """Forward and backward, and the optimizer's update where the workload has one."""
         for p in self.module.parameters():
             p.grad = None
         with autocast_for(dtype_name):
             loss = self.loss()
         loss.backward()
+        if self.optimizer is not None:
+            self.optimizer.step()

@@ -1,0 +1,120 @@
+"""``python -m visattn.bench study``: the study's own models (conf/study/), whole, per cell, images/s.
+
+Each task's model is built as a study run builds it: the profile's command line for the cell
+(``visattn.study.plan_runs``) composed by Hydra into the entry point's config, and the model made by
+that task's builder. Inference is eval without gradients; a training step is forward, the loss plus
+MoH's load-balancing loss, backward and an AdamW step (the study's optimizer, fused where torch has
+it). All cells of a task are timed round-robin in the same rounds (``measure.measure_cases``), so
+the ratios to the first cell (``mha``) hold on a shared machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .attention import AttentionCase
+from .measure import measure_cases
+from .workload import Workload
+
+STUDY_TASKS = ("cls", "dit")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def study_config(task: str, cell: str, profile: str = "full") -> dict[str, Any]:
+    """The resolved config of the profile's seed-0 run of ``cell`` for ``task`` (Hydra-composed)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from visattn.study import load_study_config, plan_runs
+
+    if task not in STUDY_TASKS:
+        raise ValueError(f"task {task!r} is not known; use one of {STUDY_TASKS}")
+    study = load_study_config(profile)
+    (spec,) = plan_runs(profile, Path("study-bench"), tasks=[task], cells=[cell], seeds=[0])
+    overrides = [o for o in spec.overrides if not o.startswith("hydra.")]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(study.tasks[task].config_name, overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def build_study_model(task: str, cfg: dict[str, Any]) -> nn.Module:
+    """The model a study run of ``task`` trains from its resolved config ``cfg``."""
+    from omegaconf import OmegaConf
+
+    if task == "cls":
+        from visattn.engine.cls.setup import build_cls_model
+
+        return build_cls_model(OmegaConf.create(cfg))
+    from visattn.engine.dit.setup import build_model
+
+    return build_model(cfg)
+
+
+def study_inputs(task: str, cfg: dict[str, Any], batch: int, model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Random inputs of ``batch`` images for the task's model: images (cls), or noisy images,
+    timesteps and labels (DiT)."""
+    data = cfg["data"]
+    if task == "cls":
+        return (torch.randn(batch, data["in_chans"], data["image_size"], data["image_size"]),)
+    x = torch.randn(batch, model.in_channels, model.input_size, model.input_size)
+    steps = int(cfg["diffusion"]["timesteps"])
+    return x, torch.randint(0, steps, (batch,)), torch.randint(0, int(data["num_classes"]), (batch,))
+
+
+def build_study_workload(task: str, cell: str, batch: int, profile: str = "full", seed: int = 0) -> Workload:
+    """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images and the AdamW
+    its trainer builds."""
+    from visattn.engine.optim import adamw, build_optimizer
+
+    cfg = study_config(task, cell, profile)
+    torch.manual_seed(seed)
+    model = build_study_model(task, cfg)
+    cpu = torch.device("cpu")
+    if task == "cls":
+        optimizer = build_optimizer(model, cfg["optim"], cpu)
+    else:
+        train = cfg["train"]
+        optimizer = adamw(model.parameters(), cpu, lr=float(train["lr"]), weight_decay=float(train["weight_decay"]))
+    return Workload(model, study_inputs(task, cfg, batch, model), optimizer=optimizer)
+
+
+def run_study_bench(
+    tasks: list[str],
+    cells: list[str],
+    batch: int,
+    dtypes: list[str],
+    warmup: int = 1,
+    repeats: int = 5,
+    train: bool = True,
+    memory: bool = False,
+    clock: str = "wall",
+    profile: str = "full",
+) -> list[dict[str, Any]]:
+    """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
+    ``train_images_per_s`` and ``paths`` (per attention layer, the path its inference took); the
+    first cell of ``cells`` is the reference of the ratios."""
+    from visattn.attention import impl_choices
+
+    rows: list[dict[str, Any]] = []
+    built: dict[tuple[str, str], Workload] = {}
+
+    def build(task: str, cell: str, batch: int, profile: str) -> Workload:
+        built[task, cell] = build_study_workload(task, cell, batch, profile)
+        return built[task, cell]
+
+    for task in tasks:
+        cases = {c: (AttentionCase(c, c), (task, c, batch, profile)) for c in cells}
+        measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock)
+        for row in measured:
+            for mode in ("infer", "train"):
+                if f"{mode}_ms" in row:
+                    row[f"{mode}_images_per_s"] = batch / (row[f"{mode}_ms"] / 1e3)
+            work = built.get((task, row["label"]))
+            if work is not None:  # the path each attention layer's inference took (impl=auto chooses)
+                row["paths"] = [layer["path"] for layer in impl_choices(work.module)["layers"]]
+            rows.append({"preset": f"study-{task}", **row})
+    return rows
