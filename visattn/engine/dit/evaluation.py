@@ -125,17 +125,18 @@ def load_for_sampling(cfg: Mapping[str, Any], device: torch.device) -> DiT:
 def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
     tf32 = apply_tf32(bool(cfg["train"].get("tf32", True)), dist.device)
     model = load_for_sampling(cfg, dist.device)
-    num_samples = int(cfg["sample"]["num_samples"])
-    diffusion = build_diffusion(cfg, model.learn_sigma).respace(cfg["sample"]["steps"])
+    settings = sample_settings(cfg)
+    num_samples = int(settings["num_samples"])
+    diffusion = build_diffusion(cfg, model.learn_sigma).respace(settings["steps"])
     images = generate_all(
-        model, diffusion, build_codec(cfg, dist.device), sample_settings(cfg), dist, num_samples, run_dir,
+        model, diffusion, build_codec(cfg, dist.device), settings, dist, num_samples, run_dir,
         progress=bool(cfg["train"]["progress"]), stop=stop,
     )
     if not dist.is_main:
         return {}
-    labels = all_labels(sample_settings(cfg), num_samples, model.num_classes)
-    path = save_samples(run_dir, images, int(cfg["sample"]["grid"]), labels=labels)
-    return {"samples": str(path), "num_samples": num_samples, "tf32": tf32, **sampling_record(sample_settings(cfg), dist.device)}
+    labels = all_labels(settings, num_samples, model.num_classes)
+    path = save_samples(run_dir, images, int(settings["grid"]), labels=labels)
+    return {"samples": str(path), "num_samples": num_samples, "tf32": tf32, **sampling_record(settings, dist.device)}
 
 
 def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:
