@@ -35,6 +35,14 @@ def _peak_memory(work: Workload, dtype_name: str, train: bool) -> dict[str, floa
     return peaks
 
 
+def add_images_per_s(row: dict[str, Any], batch: int) -> dict[str, Any]:
+    """``row`` with ``infer_images_per_s`` / ``train_images_per_s`` from its ``*_ms`` at ``batch``."""
+    for mode in ("infer", "train"):
+        if f"{mode}_ms" in row:
+            row[f"{mode}_images_per_s"] = batch / (row[f"{mode}_ms"] / 1e3)
+    return row
+
+
 def measure_cases(
     cases: Mapping[str, tuple[Any, tuple]],
     build: Callable[..., Workload],

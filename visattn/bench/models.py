@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .attention import AttentionCase, moh_budget
-from .measure import measure_cases
+from .measure import add_images_per_s, measure_cases
 from .workload import Workload
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,6 @@ def run_model_bench(
             clock=clock,
         )
         for row in measured:
-            for mode in ("infer", "train"):
-                if f"{mode}_ms" in row:
-                    row[f"{mode}_images_per_s"] = batch / (row[f"{mode}_ms"] / 1e3)
+            add_images_per_s(row, batch)
             rows.append({"preset": preset, **row})
     return rows

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from .attention import AttentionCase
-from .measure import measure_cases
+from .measure import add_images_per_s, measure_cases
 from .workload import Workload
 
 STUDY_TASKS = ("cls", "dit")
@@ -110,9 +110,7 @@ def run_study_bench(
         cases = {c: (AttentionCase(c, c), (task, c, batch, profile)) for c in cells}
         measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock)
         for row in measured:
-            for mode in ("infer", "train"):
-                if f"{mode}_ms" in row:
-                    row[f"{mode}_images_per_s"] = batch / (row[f"{mode}_ms"] / 1e3)
+            add_images_per_s(row, batch)
             work = built.get((task, row["label"]))
             if work is not None:  # the path each attention layer's inference took (impl=auto chooses)
                 row["paths"] = [layer["path"] for layer in impl_choices(work.module)["layers"]]
