@@ -86,6 +86,20 @@ def test_model_mode_runs_a_tiny_vit(tmp_path, capsys):
     assert "vit_digits" in capsys.readouterr().out
 
 
+def test_model_mode_compiled_counts_flops_eagerly_and_refuses_a_missing_gpu(tmp_path, capsys):
+    out = tmp_path / "compiled.json"
+    args = ["model", "--presets", "vit_digits", "--attns", "mha", "--batch", "2", "--dtypes", "fp32", "--warmup", "1",
+            "--repeats", "1", "--threads", "1", "--no-memory", "--no-train"]
+    main([*args, "--out", str(tmp_path / "eager.json")])
+    main([*args, "--compile", "--device", "cpu", "--out", str(out)])
+    eager, compiled = (json.loads((tmp_path / f).read_text()) for f in ("eager.json", "compiled.json"))
+    assert compiled["rows"][0]["infer_flops"] == eager["rows"][0]["infer_flops"] > 0
+    assert compiled["meta"]["device"].startswith("cpu: ")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: torch sees no CUDA device"):
+            main([*args, "--device", "cuda"])
+
+
 def test_moh_budget_and_cases():
     assert moh_budget(6, 0.5) == (1, 2)
     assert moh_budget(12, 0.75) == (6, 3)

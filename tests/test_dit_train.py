@@ -56,6 +56,20 @@ def test_missing_vae_says_where_to_put_it(tmp_path):
         load_sd_vae(tmp_path / "nowhere")
 
 
+def test_the_vae_decodes_a_large_batch_in_chunks_with_the_same_images(tiny_vae_dir, monkeypatch):
+    import visattn.models.vae as vae_module
+
+    vae = load_sd_vae(tiny_vae_dir)
+    latents = torch.randn(7, 4, 4, 4)
+    whole = vae.autoencoder.decode(latents / vae.scale).sample
+    sizes = []
+    decode = vae.autoencoder.decode
+    monkeypatch.setattr(vae.autoencoder, "decode", lambda z: sizes.append(len(z)) or decode(z))
+    monkeypatch.setattr(vae_module, "DECODE_BATCH", 3)
+    torch.testing.assert_close(vae.decode(latents), whole, atol=1e-5, rtol=1e-5)
+    assert sizes == [3, 3, 1]
+
+
 def test_latent_cache_round_trip_and_training_in_latent_space(tiny_vae_dir, tmp_path):
     vae_args = ["vae=sd", f"vae.path={tiny_vae_dir}", "vae.downsample=2", f"data.latents={tmp_path / 'cache'}"]
     out = run(config("mode=cache_latents", "cache.shard_size=16", "cache.batch_size=12",
@@ -377,3 +391,13 @@ def test_a_stop_during_the_final_sampling_exits_at_once_and_the_resume_samples_w
     resumed = run(config(*overrides), tmp_path / "stopped")
     assert steps == [] and resumed["completed"] is True and resumed["train_steps"] == 2
     assert resumed["fid"] == whole["fid"]
+
+
+def test_each_log_row_gives_the_images_per_s_of_its_own_steps(tmp_path):
+    """A row's rate covers the steps since the row before (a compiled run's slow first steps do not hide
+    its speed afterwards); the run's rate in results.json covers every step, so it is their
+    step-weighted harmonic mean."""
+    results = run(config("train.steps=6", *TINY_MODEL, "train.log_every=2"), tmp_path / "run")
+    rates = [float(r["images_per_s"]) for r in csv.DictReader((tmp_path / "run" / "metrics.csv").open())]
+    assert len(rates) == 3 and min(rates) > 0
+    assert results["train_images_per_s"] == pytest.approx(3 / sum(1 / r for r in rates), rel=1e-9)

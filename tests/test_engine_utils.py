@@ -111,6 +111,18 @@ def test_results_and_metrics_files(tmp_path):
     assert tp.items == 10 and tp.rate > 0
 
 
+def test_throughput_laps_give_each_log_rows_own_rate():
+    tp = Throughput()
+    tp.add(100, 10.0)  # a slow start (compilation, warm-up)
+    assert tp.lap() == 10.0
+    tp.add(300, 1.0)
+    assert tp.lap() == 300.0 and tp.rate == pytest.approx(400 / 11)  # the row's rate; the run's overall
+    assert tp.lap() == 0.0  # nothing timed since
+    tp.load_state_dict({"items": 1000, "seconds": 5.0})  # a resumed run: its first lap starts here
+    tp.add(50, 0.5)
+    assert tp.lap() == 100.0
+
+
 def test_run_clock_adds_the_earlier_processes_and_refuses_a_partial_total():
     clock = RunClock()
     clock.load_state_dict({"wall": 100.0, "cpu": 90.0, "thread_seconds": 200.0})  # 2 threads, 45% busy

@@ -94,3 +94,4 @@ def test_sampling_settings_are_validated_and_recorded(tmp_path):
     sampled = run_dit(dit_cfg("mode=sample", f"ckpt={tmp_path / 'c'}", "sample.num_samples=2", "sample.steps=2",
                               "sample.compile=aot_eager"), tmp_path / "d")
     assert (sampled["sample_amp"], sampled["sample_compile"], sampled["tf32"]) == ("none", "aot_eager", False)
+    assert sampled["sample_images_per_s"] > 0 and sampled["sampling_steps"] == 2

@@ -46,7 +46,17 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="wall time, or this process's CPU time (steadier on a shared machine; use with --threads 1)",
     )
     p.add_argument("--no-train", dest="train", action="store_false", help="skip the training step")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
     p.add_argument("--out", type=Path, default=None, help="JSON file for every measurement")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when available, else CPU; ``cuda`` without a GPU is refused."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    return torch.device(name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     mod.add_argument("--batch", type=int_at_least(1), default=32)
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
+    mod.add_argument("--compile", action="store_true", help="time torch.compile'd models (inductor; compiled in the warm-up)")
     _common(mod)
     study = sub.add_parser("study", help="the study's models (conf/study/), whole, per cell: images/s")
     study.add_argument("--tasks", nargs="+", default=list(STUDY_TASKS), choices=STUDY_TASKS)
@@ -107,7 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     loop.add_argument("--clip", type=float, default=None, help="clip gradients (both loops) at this norm")
     loop.add_argument("--log-every", type=int_at_least(1), default=10,
                       help="steps per timed block; our loop reads its counters once per block, as at a log point")
-    loop.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     _common(loop)
     loop.set_defaults(dtypes=["fp32"], warmup=1, repeats=10)
     return parser.parse_args(argv)
@@ -129,14 +139,17 @@ def main(argv: list[str] | None = None) -> dict:
         "cores": machine["cores"],
         **({"gpu": machine["gpu"]} if "gpu" in machine else {}),
         "malloc_tuned": tuned,
-        "memory_measure": "resident-set high-water mark growth during one call (VmHWM after clear_refs)",
     }
+    device = resolve_device(args.device)
+    if device.type == "cuda" and args.clock == "cpu":
+        raise SystemExit("--clock cpu times this process's CPU, not the GPU's work; use --clock wall on CUDA")
+    if device.type == "cuda":
+        meta.update(device=torch.cuda.get_device_name(device), memory_measure="allocated device memory growth "
+                    "during one call (torch.cuda.max_memory_allocated after reset_peak_memory_stats)")
+    else:
+        meta.update(device=f"cpu: {machine['cpu']}", memory_measure="resident-set high-water mark growth "
+                    "during one call (VmHWM after clear_refs)")
     if args.mode == "loop":
-        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if args.device == "auto" else args.device)
-        if device.type == "cuda" and args.clock == "cpu":
-            raise SystemExit("loop --clock cpu times this process's CPU, not the GPU's work; use --clock wall on CUDA")
-        meta["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {machine['cpu']}"
         rows = run_loop_bench(args.tasks, device, args.dtypes, args.vit, args.vit_batch, args.vit_kwargs, args.dit,
                               args.dit_batch, args.dit_kwargs, args.attn, args.clip, args.repeats, args.warmup,
                               args.log_every, clock=args.clock)
@@ -155,15 +168,17 @@ def main(argv: list[str] | None = None) -> dict:
             args.memory,
             clock=args.clock,
             masked=args.masked,
+            device=device,
         )
         table = markdown_table(rows, "shape")
     elif args.mode == "study":
         rows = run_study_bench(args.tasks, args.cells, args.batch, args.dtypes, args.warmup, args.repeats,
-                               args.train, args.memory, clock=args.clock, profile=args.profile)
+                               args.train, args.memory, clock=args.clock, profile=args.profile, device=device)
         table = markdown_table(rows, "preset")
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]
-        rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock)
+        rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock,
+                               device=device)
         table = paths_table(rows)
     else:
         rows = run_model_bench(
@@ -176,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
             args.train,
             args.memory,
             clock=args.clock,
+            device=device,
+            compile=args.compile,
         )
         table = markdown_table(rows, "preset")
     result = {"meta": meta, "rows": rows}
@@ -184,9 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(args.out)
-    device_line = f"Device: {meta['device']}\n" if "device" in meta else ""
     sys.stdout.write(f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\n"
-                     f"{device_line}{table}")
+                     f"Device: {meta['device']}\n{table}")
     return result
 
 

@@ -120,6 +120,7 @@ def run_attention_bench(
     memory: bool = True,
     clock: str = "wall",
     masked: bool = True,
+    device: torch.device | str = "cpu",
 ) -> list[dict[str, Any]]:
     """One result row per (shape, dtype, case); see ``measure.measure_cases`` for the keys."""
     rows = []
@@ -138,6 +139,7 @@ def run_attention_bench(
             memory,
             reference="mha",
             clock=clock,
+            device=device,
         )
         rows.extend({"shape": str(shape), **row} for row in measured)
     return rows

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from visattn.attention import active_heads, aux_loss
 
-from .timing import CLOCKS
+from .timing import CLOCKS, synced
 
 log = logging.getLogger(__name__)
 
@@ -246,24 +246,12 @@ def build_dit(device: torch.device, dtype_name: str, preset: str, batch: int, at
                  bare_model, bare_opt, loss_of, clip, ours, ours_log, log_read)
 
 
-def _synced(device: torch.device, fn: Callable[[], Any]) -> Callable[[], Any]:
-    if device.type != "cuda":
-        return fn
-
-    def call():
-        out = fn()
-        torch.cuda.synchronize(device)
-        return out
-
-    return call
-
-
 def race_loops(race: LoopRace, device: torch.device, rounds: int, warmup: int, log_every: int,
                clock: str = "wall", part_repeats: int = 20) -> dict[str, Any]:
     """Time ``race``: ``warmup`` + ``rounds`` rounds of a block of ``log_every`` steps of each loop (ours
     ending with its log-point read), the order flipped every round; then its parts."""
     now = CLOCKS[clock]
-    sync = _synced(device, lambda: None)
+    sync = synced(device, lambda: None)
     step = {"ours": 0, "bare": 0}
 
     def block(name: str) -> float:
@@ -320,12 +308,9 @@ def time_parts(race: LoopRace, device: torch.device, repeats: int, log_every: in
 
 
 def _timed(device: torch.device, fn: Callable[[], Any], now: Callable[[], float]) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synced(device, lambda: None)()
     start = now()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synced(device, fn)()
     return now() - start
 
 

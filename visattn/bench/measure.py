@@ -12,7 +12,7 @@ import torch
 from visattn.utils.flops import count_flops
 
 from .memory import call_peak_mb
-from .timing import interleaved_times, matmul_peak_flops, median
+from .timing import interleaved_times, matmul_peak_flops, median, synced
 from .workload import DTYPES, Workload, autocast_for
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,17 @@ def _active_heads(module: torch.nn.Module) -> list[int] | None:
 
 def _peak_memory(work: Workload, dtype_name: str, train: bool) -> dict[str, float | None]:
     work.module.eval()
-    with torch.no_grad(), autocast_for(dtype_name):
-        peaks = {"infer_peak_mb": call_peak_mb(work.infer)}
+    with torch.no_grad(), autocast_for(dtype_name, work.device.type):
+        peaks = {"infer_peak_mb": call_peak_mb(work.infer, work.device)}
     if train:
         work.module.train()
-        peaks["train_peak_mb"] = call_peak_mb(functools.partial(work.train_step, dtype_name))
+        peaks["train_peak_mb"] = call_peak_mb(functools.partial(work.train_step, dtype_name), work.device)
     return peaks
+
+
+def _eager_flops(work: Workload, fn: Callable[[], object]) -> float:
+    with work.eager():
+        return count_flops(fn)
 
 
 def add_images_per_s(row: dict[str, Any], batch: int) -> dict[str, Any]:
@@ -53,8 +58,12 @@ def measure_cases(
     memory: bool,
     reference: str | None = None,
     clock: str = "wall",
+    device: torch.device | str = "cpu",
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows for ``cases`` (label -> (case with a ``train`` flag, args of ``build``)), per dtype.
+    """Rows for ``cases`` (label -> (case with a ``train`` flag, args of ``build``)), per dtype, each
+    workload built, then moved to ``device`` (on CUDA every timed call ends with a synchronisation);
+    ``compile``: time ``torch.compile``d forwards (the warm-up rounds compile; FLOPs are counted eagerly).
 
     ``reference`` (default: the first label) is the denominator of every ratio; all cases of a dtype
     are timed round-robin in the same rounds, so drift of a shared machine cancels in the ratios.
@@ -66,11 +75,16 @@ def measure_cases(
     for name in dtypes:
         if name not in DTYPES:
             raise ValueError(f"dtype {name!r} is not known; use one of {sorted(DTYPES)}")
+    device = torch.device(device)
+    if device.type == "cuda" and clock == "cpu":
+        raise ValueError("clock='cpu' times this process's CPU, not the GPU's work; use clock='wall' on CUDA")
     works: dict[str, Workload] = {}
     skipped: list[dict[str, Any]] = []
     for label, (_, args) in cases.items():
         try:
-            works[label] = build(*args)
+            works[label] = build(*args).to(device)
+            if compile:
+                works[label].compile()
         except (ValueError, TypeError, ImportError) as err:
             log.warning("skipping %s: %s", label, err)
             skipped.append({"label": label, "skipped": str(err)})
@@ -82,21 +96,22 @@ def measure_cases(
     rows = []
     for dtype_name in dtypes:
         mm_dtype = DTYPES[dtype_name] or torch.float32
-        peak = matmul_peak_flops(mm_dtype, clock=clock)
+        peak = matmul_peak_flops(mm_dtype, clock=clock, device=device)
         for w in works.values():
             w.module.eval()
-        with torch.no_grad(), autocast_for(dtype_name):
-            infer_times = interleaved_times({k: w.infer for k, w in works.items()}, warmup, repeats, clock)
-            infer_flops = {k: count_flops(w.infer) for k, w in works.items()}
+        with torch.no_grad(), autocast_for(dtype_name, device.type):
+            infers = {k: synced(device, w.infer) for k, w in works.items()}
+            infer_times = interleaved_times(infers, warmup, repeats, clock)
+            infer_flops = {k: _eager_flops(w, w.infer) for k, w in works.items()}
         train_times, train_flops = {}, {}
         if trains:
             for w in trains.values():
                 w.module.train()
             steps = {k: functools.partial(w.train_step, dtype_name) for k, w in trains.items()}
-            train_times = interleaved_times(steps, warmup, repeats, clock)
-            train_flops = {k: count_flops(step) for k, step in steps.items()}
+            train_times = interleaved_times({k: synced(device, s) for k, s in steps.items()}, warmup, repeats, clock)
+            train_flops = {k: _eager_flops(trains[k], step) for k, step in steps.items()}
         peak = max(
-            peak, matmul_peak_flops(mm_dtype, clock=clock)
+            peak, matmul_peak_flops(mm_dtype, clock=clock, device=device)
         )  # the better of before and after: the machine's peak
 
         ref_infer = median(infer_times[reference])

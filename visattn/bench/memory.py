@@ -1,4 +1,5 @@
-"""Peak memory of one call on CPU, from the kernel's resident-set high-water mark.
+"""Peak memory of one call: on CPU from the kernel's resident-set high-water mark, on CUDA from the
+caching allocator's peak.
 
 torch has no allocator statistics on CPU (and tracemalloc does not see its buffers). So: return freed
 heap pages to the OS (``malloc_trim``), reset the process's peak RSS (``/proc/self/clear_refs``,
@@ -12,6 +13,8 @@ import ctypes
 import ctypes.util
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -43,8 +46,16 @@ def peak_memory_available() -> bool:
     return True
 
 
-def call_peak_mb(fn: Callable[[], object]) -> float | None:
-    """MiB of resident memory ``fn()`` added at its peak; None where the peak cannot be reset."""
+def call_peak_mb(fn: Callable[[], object], device: torch.device | None = None) -> float | None:
+    """MiB of memory ``fn()`` added at its peak: resident memory on CPU (None where the peak cannot be
+    reset), allocated device memory on CUDA."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base) / 2**20
     _malloc_trim()
     try:
         _CLEAR_REFS.write_text(_RESET_PEAK_RSS)

@@ -127,6 +127,8 @@ def run_model_bench(
     train: bool = True,
     memory: bool = True,
     clock: str = "wall",
+    device: torch.device | str = "cpu",
+    compile: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset``, ``infer_images_per_s`` and
     ``train_images_per_s``; the first attention of ``attns`` is the reference of the ratios."""
@@ -150,6 +152,8 @@ def run_model_bench(
             memory,
             reference=attns[0],
             clock=clock,
+            device=device,
+            compile=compile,
         )
         for row in measured:
             add_images_per_s(row, batch)

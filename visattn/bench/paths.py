@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from visattn.attention import build_attention, impl_choices
 
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
@@ -61,17 +63,19 @@ def run_paths_bench(
     warmup: int = 2,
     repeats: int = 10,
     clock: str = "wall",
+    device: torch.device | str = "cpu",
 ) -> list[dict[str, Any]]:
     """Rows as ``measure.measure_cases`` gives them (inference keys) plus ``shape``, ``vs_masked`` and
     ``auto_path``; ratios are to ``mha`` in the same interleaved rounds."""
     rows = []
     for shape in shapes:
-        rows += _shape_rows(shape, budgets, dtypes, warmup, repeats, clock)
+        rows += _shape_rows(shape, budgets, dtypes, warmup, repeats, clock, device)
     return rows
 
 
 def _shape_rows(
-    shape: Shape, budgets: list[float], dtypes: list[str], warmup: int, repeats: int, clock: str
+    shape: Shape, budgets: list[float], dtypes: list[str], warmup: int, repeats: int, clock: str,
+    device: torch.device | str,
 ) -> list[dict[str, Any]]:
     """The rows of one layer shape, every case timed in the same interleaved rounds."""
     works: dict[str, Workload] = {}
@@ -82,7 +86,8 @@ def _shape_rows(
 
     cases = {c.label: (c, (c.label, c.name, c.kwargs)) for c in path_cases(shape, budgets)}
     rows = measure_cases(
-        cases, build, dtypes, warmup, repeats, train=False, memory=False, reference="mha", clock=clock
+        cases, build, dtypes, warmup, repeats, train=False, memory=False, reference="mha", clock=clock,
+        device=device,
     )
     measured = [r for r in rows if "skipped" not in r]
     for row in measured:

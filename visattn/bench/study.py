@@ -93,6 +93,7 @@ def run_study_bench(
     memory: bool = False,
     clock: str = "wall",
     profile: str = "full",
+    device: torch.device | str = "cpu",
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
     ``train_images_per_s`` and ``paths`` (per attention layer, the path its inference took); the
@@ -108,7 +109,8 @@ def run_study_bench(
 
     for task in tasks:
         cases = {c: (AttentionCase(c, c), (task, c, batch, profile)) for c in cells}
-        measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock)
+        measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock,
+                                 device=device)
         for row in measured:
             add_images_per_s(row, batch)
             work = built.get((task, row["label"]))

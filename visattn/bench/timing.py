@@ -40,6 +40,20 @@ def interleaved_times(
     return times
 
 
+def synced(device: torch.device, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` that returns only once the device has finished its work (CUDA runs asynchronously, so a
+    clock read after an unsynchronised call times the launch, not the work); ``fn`` itself on CPU."""
+    if device.type != "cuda":
+        return fn
+
+    def call():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
 def median(samples: list[float]) -> float:
     return statistics.median(samples)
 

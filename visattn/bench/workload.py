@@ -15,12 +15,12 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 AUX_WEIGHT = 0.01  # MoH's beta; the training step includes the load-balancing loss like a real one
 
 
-def autocast_for(dtype_name: str):
-    """float32: no autocast; bf16: CPU autocast (the mixed-precision path a user runs)."""
+def autocast_for(dtype_name: str, device_type: str = "cpu"):
+    """float32: no autocast; bf16: autocast on ``device_type`` (the mixed-precision path a user runs)."""
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype {dtype_name!r} is not known; use one of {sorted(DTYPES)}")
     dtype = DTYPES[dtype_name]
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -48,9 +48,35 @@ class Workload:
     inputs: tuple[torch.Tensor, ...]
     infer_impl: str | None = None
     optimizer: torch.optim.Optimizer | None = None
+    compiled: nn.Module | None = None  # torch.compile(module): what forward calls when set
+
+    def compile(self) -> Workload:
+        """Forward through ``torch.compile(module)`` (inductor) from now on."""
+        self.compiled = torch.compile(self.module)
+        return self
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Forward through the module itself within the block (FLOP counting sees every operation)."""
+        compiled, self.compiled = self.compiled, None
+        try:
+            yield self
+        finally:
+            self.compiled = compiled
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs[0].device
+
+    def to(self, device: torch.device) -> Workload:
+        """The module and inputs on ``device`` (in place; before the optimizer's first step, whose
+        state is created where the parameters are)."""
+        self.module.to(device)
+        self.inputs = tuple(x.to(device) for x in self.inputs)
+        return self
 
     def forward(self) -> torch.Tensor:
-        out = self.module(*self.inputs)
+        out = (self.module if self.compiled is None else self.compiled)(*self.inputs)
         return out[0] if isinstance(out, tuple) else out
 
     def infer(self) -> torch.Tensor:
@@ -65,7 +91,7 @@ class Workload:
         """Forward and backward, and the optimizer's update where the workload has one."""
         for p in self.module.parameters():
             p.grad = None
-        with autocast_for(dtype_name):
+        with autocast_for(dtype_name, self.device.type):
             loss = self.loss()
         loss.backward()
         if self.optimizer is not None:

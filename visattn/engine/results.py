@@ -132,6 +132,7 @@ class Throughput:
         self.seconds = 0.0
         self.complete = True  # False after resuming from a checkpoint that did not keep the counts
         self._t0: float | None = None
+        self._lap = (0, 0.0)  # items and seconds at the last lap()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -157,6 +158,13 @@ class Throughput:
     def rate(self) -> float:
         return self.items / self.seconds if self.seconds > 0 else 0.0
 
+    def lap(self) -> float:
+        """Items per second over the spans since the previous ``lap()`` (or the start): a log row's rate,
+        which the whole run's ``rate`` hides once a slow start (compilation, warm-up) is in it."""
+        items, seconds = self.items - self._lap[0], self.seconds - self._lap[1]
+        self._lap = (self.items, self.seconds)
+        return items / seconds if seconds > 0 else 0.0
+
     def add(self, items: int, seconds: float) -> None:
         """Count a span timed elsewhere (e.g. an epoch's) into this total."""
         self.items += items
@@ -178,3 +186,4 @@ class Throughput:
         self.complete = state is not None
         state = state or {}
         self.items, self.seconds = int(state.get("items", 0)), float(state.get("seconds", 0.0))
+        self._lap = (self.items, self.seconds)  # a resumed run's first lap starts at the resume

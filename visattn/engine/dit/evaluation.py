@@ -128,15 +128,21 @@ def sample_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: Sto
     settings = sample_settings(cfg)
     num_samples = int(settings["num_samples"])
     diffusion = build_diffusion(cfg, model.learn_sigma).respace(settings["steps"])
+    decode = build_codec(cfg, dist.device)
+    timer = Throughput(dist.device)
+    timer.start()
     images = generate_all(
-        model, diffusion, build_codec(cfg, dist.device), settings, dist, num_samples, run_dir,
+        model, diffusion, decode, settings, dist, num_samples, run_dir,
         progress=bool(cfg["train"]["progress"]), stop=stop,
     )
+    timer.stop(num_samples)
     if not dist.is_main:
         return {}
     labels = all_labels(settings, num_samples, model.num_classes)
     path = save_samples(run_dir, images, int(settings["grid"]), labels=labels)
-    return {"samples": str(path), "num_samples": num_samples, "tf32": tf32, **sampling_record(settings, dist.device)}
+    # images/s of the whole set (every process's samples, the decoder and the first call's compile included)
+    return {"samples": str(path), "num_samples": num_samples, "tf32": tf32, "sample_images_per_s": timer.rate,
+            "sampling_steps": diffusion.num_timesteps, **sampling_record(settings, dist.device)}
 
 
 def eval_mode(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSignal | None = None) -> dict[str, Any]:

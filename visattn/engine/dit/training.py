@@ -204,13 +204,14 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
             loss_mean, aux_mean, count = all_reduce_sum(running).tolist()
             loss_mean, aux_mean = (loss_mean / count, aux_mean / count) if count else (math.nan, math.nan)
             running.zero_()
+            rate = timer.lap()  # since the last log row
             row = {"step": step, "epoch": batches.epoch, "loss": loss_mean, "aux_loss": aux_mean,
-                   "lr": opt.param_groups[0]["lr"], "images_per_s": timer.rate, "skipped_steps": guard.skipped}
+                   "lr": opt.param_groups[0]["lr"], "images_per_s": rate, "skipped_steps": guard.skipped}
             metrics.log(row)
             bar.set_postfix(loss=f"{loss_mean:.4f}", aux=f"{aux_mean:.3f}")
             if dist.is_main:
                 log.info("step %d/%d: loss %.4f aux %.3f (%.1f images/s)", step, total_steps, loss_mean,
-                         aux_mean, timer.rate)
+                         aux_mean, rate)
         if save_now:
             save_training_checkpoint(run_dir, model, ema, opt, step, batches, dist, guard, extra=results,
                                      timer=timer, clock=clock, loss_window=running, run=definition)
