@@ -13,6 +13,7 @@ $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m visattn.kernels  # compile the CPU kernels now (PyTorch fallback where no compiler)
 	touch $@
 
 demo: $(VENV)/.stamp

@@ -32,6 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
+from visattn.kernels import moh_routing_op
+
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -238,6 +240,10 @@ class HeadRouter(nn.Module):
         Computed head-major ([heads, tokens]): on a CPU, softmax and top-k over a last dimension of
         a few heads loop per token and cost ten times this whole computation at the study's sizes.
         """
+        if not torch.jit.is_scripting():
+            fused = self._compiled_gates(x, selection, logits)
+            if fused is not None:
+                return fused, None
         B, N, _ = x.shape
         T = B * N
         S, E, k = self.shared_heads, self.pool, self.routed_topk
@@ -299,6 +305,30 @@ class HeadRouter(nn.Module):
             return gates, x.new_ones((B, N, self.num_heads), dtype=torch.bool)
         chosen = torch.cat([x.new_ones((S, T), dtype=torch.bool), masks[0] > 0.5], 0)
         return gates, chosen.view(self.num_heads, B, N).permute(1, 2, 0)
+
+
+    @torch.jit.unused
+    def _compiled_gates(self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """``forward``'s gates [B, N, H] from the compiled kernel (``visattn.kernels``), or None where
+        the PyTorch code below runs: gradients, training, a selection asked for (the skipping paths),
+        head choice, binary gates, the l2norm router, a dense layer, a device other than the CPU,
+        torch.compile / fx tracing (they trace the PyTorch code), or no kernel on this machine."""
+        if (selection or self.training or torch.is_grad_enabled() or self.routing != "token_choice"
+                or self.gate_mode != "soft" or self.routed is None or x.device.type != "cpu"
+                or type(x) is not torch.Tensor or torch.compiler.is_compiling()):
+            return None
+        op = moh_routing_op()
+        if op is None:
+            return None
+        if logits is None:
+            logits = self._logits(x)
+        assert logits is not None
+        B, N, _ = x.shape
+        S, E = self.shared_heads, self.pool
+        gates, keep = op(logits, S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+        # [B, H]: the shared heads' rows are 1 (as below)
+        self.head_load = F.pad(keep.view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t() if keeps_stats() else None
+        return gates.view(B, N, self.num_heads)
 
 
 def rank_constants(pool: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

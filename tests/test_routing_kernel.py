@@ -1,0 +1,92 @@
+"""The compiled MoH routing kernel (visattn.kernels) against the PyTorch routing it replaces."""
+
+import logging
+
+import pytest
+import torch
+
+import visattn.kernels as kernels
+from visattn.attention import build_attention
+
+BUDGETS = [  # (heads, shared, topk, two_stage)
+    (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (4, 2, 1, True), (12, 0, 11, False),
+]
+
+
+@pytest.fixture
+def kernel():
+    op = kernels.moh_routing_op()
+    if op is None:
+        pytest.skip("no C++ toolchain here: the kernel cannot be built (the PyTorch path runs instead)")
+    return op
+
+
+def _layer(heads, shared, topk, two_stage, dim=48):
+    # impl="dense": the masked dense path on every call (auto would time its paths at the first call)
+    return build_attention("moh", dim, num_heads=heads, shared_heads=shared, routed_topk=topk, two_stage=two_stage,
+                           impl="dense").eval()
+
+
+@pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: logits far apart, probabilities near 0 and 1
+def test_compiled_gates_equal_the_pytorch_routing(kernel, monkeypatch, heads, shared, topk, two_stage, scale):
+    torch.manual_seed(heads * 10 + topk)
+    layer = _layer(heads, shared, topk, two_stage)
+    router = layer.router
+    x = torch.randn(3, 11, 48) * scale
+    calls = []
+    monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
+    with torch.no_grad():
+        gates, none = router(x, None, selection=False)
+        out = layer(x)
+        load = router.head_load
+        monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: None)  # the PyTorch routing
+        ref_gates, _ = router(x, None, selection=False)
+        ref_out = layer(x)
+        ref_load = router.head_load
+    assert len(calls) == 2 and none is None  # the kernel ran, for the router and for the layer
+    assert gates.shape == ref_gates.shape == (3, 11, heads) and gates.dtype == torch.float32
+    torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+    assert torch.equal(gates > 0, ref_gates > 0) and torch.equal(load, ref_load)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch):
+    torch.manual_seed(0)
+    layer = _layer(8, 2, 2, True)
+    x = torch.randn(2, 5, 48)
+    x[0, 1] = float("nan")
+    with torch.no_grad():
+        gates, _ = layer.router(x, None, selection=False)
+    assert gates[0, 1].isnan().all() and gates[1].isfinite().all()
+
+    calls = []
+    monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: calls.append(1) or kernel)
+    x = torch.randn(2, 5, 48)
+    layer(x)  # gradients on: the PyTorch routing (autograd)
+    with torch.no_grad():
+        layer.router(x, None, selection=True)  # the skipping paths want the selection
+        layer.train()(x)
+        head_choice = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, routing="head_choice")
+        head_choice.eval()(x)
+    assert calls == []
+    with torch.no_grad():
+        layer.eval()(x)
+    assert calls == [1]
+
+
+def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeypatch, tmp_path, caplog):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++")
+    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setenv("VISATTN_KERNEL_DIR", str(tmp_path / "kernels"))
+    kernels.moh_routing_op.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="visattn.kernels"):
+            assert kernels.moh_routing_op() is None
+        assert "routing runs in PyTorch" in caplog.text
+        monkeypatch.setenv("VISATTN_KERNELS", "0")
+        kernels.moh_routing_op.cache_clear()
+        assert kernels.moh_routing_op() is None  # switched off: not even tried
+    finally:
+        kernels.moh_routing_op.cache_clear()
