@@ -188,3 +188,24 @@ def test_a_study_workload_steps_its_optimizer():
     work.train_step("fp32")
     moved = [n for n, p in work.module.named_parameters() if not torch.equal(p, before[n])]
     assert any(".router." in n for n in moved) and any(".qkv." in n for n in moved)
+
+
+def test_study_mode_compares_each_cell_with_the_kernels_off(tmp_path, monkeypatch):
+    """'<cell> pytorch' rows: the same model, timed in the same rounds, with visattn.kernels off."""
+    import visattn.attention.routing as routing
+
+    seen = []
+    real = routing.moh_routing_op
+    monkeypatch.setattr(routing, "moh_routing_op", lambda: seen.append(real() is not None) or real())
+    out = tmp_path / "study.json"
+    main(["study", "--tasks", "cls", "--cells", "mha", "moh-50", "--batch", "2", "--warmup", "0", "--repeats", "1",
+          "--threads", "1", "--no-train", "--compare-kernels", "--out", str(out)])
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["mha", "moh-50", "moh-50 pytorch"]
+    # the same model: its matmuls; the PyTorch routing's ranking matmul is counted on top
+    assert 0 < rows["moh-50"]["infer_flops"] <= rows["moh-50 pytorch"]["infer_flops"] < 1.01 * rows["moh-50"]["infer_flops"]
+    assert False in seen  # the pytorch row's forwards ran with the kernels off
+    from visattn import kernels
+
+    with kernels.disabled():
+        assert kernels.moh_routing_op() is None

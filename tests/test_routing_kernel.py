@@ -80,13 +80,13 @@ def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeyp
     bad.write_text("this is not C++")
     monkeypatch.setattr(kernels, "SOURCE", bad)
     monkeypatch.setenv("VISATTN_KERNEL_DIR", str(tmp_path / "kernels"))
-    kernels.moh_routing_op.cache_clear()
+    kernels._load_moh_routing.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="visattn.kernels"):
             assert kernels.moh_routing_op() is None
         assert "routing runs in PyTorch" in caplog.text
         monkeypatch.setenv("VISATTN_KERNELS", "0")
-        kernels.moh_routing_op.cache_clear()
+        kernels._load_moh_routing.cache_clear()
         assert kernels.moh_routing_op() is None  # switched off: not even tried
     finally:
-        kernels.moh_routing_op.cache_clear()
+        kernels._load_moh_routing.cache_clear()

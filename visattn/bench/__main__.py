@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     study.add_argument("--batch", type=int_at_least(1), default=256)
     study.add_argument("--profile", default="full", help="the study profile whose command lines build the models")
     study.add_argument("--memory", dest="memory", action="store_true", help="measure peak memory too")
+    study.add_argument("--compare-kernels", action="store_true",
+                       help="also time each cell with visattn.kernels off ('<cell> pytorch' rows, same rounds)")
     _common(study)
     study.set_defaults(dtypes=["fp32"], memory=False)
     loop = sub.add_parser("loop", help="the engine's training step vs a bare PyTorch loop, per task (overhead)")
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
         table = markdown_table(rows, "shape")
     elif args.mode == "study":
         rows = run_study_bench(args.tasks, args.cells, args.batch, args.dtypes, args.warmup, args.repeats,
-                               args.train, args.memory, clock=args.clock, profile=args.profile, device=device)
+                               args.train, args.memory, clock=args.clock, profile=args.profile, device=device,
+                               compare_kernels=args.compare_kernels)
         table = markdown_table(rows, "preset")
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]

@@ -94,21 +94,27 @@ def run_study_bench(
     clock: str = "wall",
     profile: str = "full",
     device: torch.device | str = "cpu",
+    compare_kernels: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
     ``train_images_per_s`` and ``paths`` (per attention layer, the path its inference took); the
-    first cell of ``cells`` is the reference of the ratios."""
+    first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each other cell also
+    as ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds."""
     from visattn.attention import impl_choices
 
     rows: list[dict[str, Any]] = []
     built: dict[tuple[str, str], Workload] = {}
 
-    def build(task: str, cell: str, batch: int, profile: str) -> Workload:
-        built[task, cell] = build_study_workload(task, cell, batch, profile)
-        return built[task, cell]
+    def build(task: str, cell: str, batch: int, profile: str, label: str) -> Workload:
+        built[task, label] = build_study_workload(task, cell, batch, profile)
+        built[task, label].use_kernels = not label.endswith(" pytorch")
+        return built[task, label]
 
+    labels = [(c, c) for c in cells]
+    if compare_kernels:
+        labels += [(f"{c} pytorch", c) for c in cells[1:]]
     for task in tasks:
-        cases = {c: (AttentionCase(c, c), (task, c, batch, profile)) for c in cells}
+        cases = {label: (AttentionCase(label, cell), (task, cell, batch, profile, label)) for label, cell in labels}
         measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock,
                                  device=device)
         for row in measured:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from visattn import kernels
 from visattn.attention import aux_loss
 from visattn.attention.moh import MoHAttention
 
@@ -49,6 +50,7 @@ class Workload:
     infer_impl: str | None = None
     optimizer: torch.optim.Optimizer | None = None
     compiled: nn.Module | None = None  # torch.compile(module): what forward calls when set
+    use_kernels: bool = True  # False: the PyTorch code instead of visattn.kernels (A/B rows)
 
     def compile(self) -> Workload:
         """Forward through ``torch.compile(module)`` (inductor) from now on."""
@@ -76,7 +78,8 @@ class Workload:
         return self
 
     def forward(self) -> torch.Tensor:
-        out = (self.module if self.compiled is None else self.compiled)(*self.inputs)
+        with contextlib.nullcontext() if self.use_kernels else kernels.disabled():
+            out = (self.module if self.compiled is None else self.compiled)(*self.inputs)
         return out[0] if isinstance(out, tuple) else out
 
     def infer(self) -> torch.Tensor:

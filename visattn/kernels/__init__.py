@@ -13,13 +13,15 @@ the tests check equal. ``python -m visattn.kernels`` builds it ahead (``make`` d
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ SOURCE = Path(__file__).with_name("moh_routing.cpp")
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math.
 CFLAGS = ["-O3", "-fno-trapping-math"]
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("visattn_kernels_off", default=False)
 
 
 def kernel_dir() -> Path:
@@ -44,10 +47,25 @@ def _build_name() -> str:
     return "visattn_moh_routing_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-@functools.cache
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, every caller runs the PyTorch code (A/B comparisons; ``bench study
+    --compare-kernels``)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
 def moh_routing_op() -> Callable | None:
     """``torch.ops.visattn.moh_gates`` (built and loaded once per process), or None where it cannot
-    be built or ``VISATTN_KERNELS=0``."""
+    be built, with ``VISATTN_KERNELS=0`` and inside ``disabled()``."""
+    return None if _OFF.get() else _load_moh_routing()
+
+
+@functools.cache
+def _load_moh_routing() -> Callable | None:
     if os.environ.get("VISATTN_KERNELS", "1") == "0":
         return None
     try:
