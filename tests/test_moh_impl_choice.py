@@ -18,6 +18,13 @@ from visattn.attention.impl_probe import (
     use_impl_probe,
 )
 from visattn.attention.moh import PATHS
+from visattn.kernels import moh_routed_heads_op
+
+# The compiled paths that run here (float32): their kernel needs a C++ toolchain, and routed_kernel MKL's GEMM
+KERNEL_PATHS_HERE = {
+    path for path, blas in (("routed_kernel", True), ("routed_kernel_loops", False))
+    if moh_routed_heads_op(torch.float32, blas) is not None
+}
 from visattn.utils.flops import count_flops
 
 
@@ -52,6 +59,8 @@ ALL_FAST = {
     "masked_dense": 1.0,
     "dense_projections": 1.0,
     "sparse_projections": 1.0,
+    "routed_kernel": 1.0,
+    "routed_kernel_loops": 1.0,
     "head_gather": 1.0,
     "head_gather_dense_out": 1.0,
 }
@@ -83,7 +92,9 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
         for path in m.paths:  # make each path the fastest in turn
             with use_impl_probe(ImplProbe(timer=ScriptedTimer({**ALL_FAST, path: 0.1}))):
                 torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
-            assert m.last_path == path
+            # without the kernel, its paths are sparse_projections again and are not probed
+            probed = not path.startswith("routed_kernel") or path in KERNEL_PATHS_HERE
+            assert (m.last_path == path) == probed
 
 
 # --- the probe's decision ------------------------------------------------------------------------
@@ -91,7 +102,8 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
 
 def test_masked_dense_timed_fastest_is_picked():
     m = _moh()
-    timer = ScriptedTimer({"masked_dense": 1.0, "dense_projections": 1.5, "sparse_projections": 2.0})
+    timer = ScriptedTimer({"masked_dense": 1.0, "dense_projections": 1.5, "sparse_projections": 2.0, "routed_kernel": 2.0,
+                           "routed_kernel_loops": 2.0})
     with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
         m(torch.randn(2, 9, 32))
     assert m.last_path == "masked_dense"
@@ -115,7 +127,8 @@ def test_probe_rounds_are_interleaved_and_hopeless_paths_stop_after_the_warm_up(
 
 
 def test_the_decision_is_deterministic_given_the_timer():
-    seconds = {"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0}
+    seconds = {"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0, "routed_kernel": 3.0,
+               "routed_kernel_loops": 3.0}
     chosen = set()
     for _ in range(3):
         m = _moh()
@@ -154,10 +167,13 @@ def test_cache_is_keyed_by_shape_and_dtype_and_shared_by_identical_layers():
         a(torch.randn(3, 9, 32))  # another batch size probes again
         assert len(timer.calls) == 2 * probed
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            a(torch.randn(3, 9, 32))  # another compute dtype too
-        assert len(timer.calls) == 3 * probed
+            a(torch.randn(3, 9, 32))  # another compute dtype too (without the float32-only loops path)
+        bf16_paths = len(a.path_log["[3, 9, 32] bfloat16"].times_ms)
+        rounds = probed // len(a.path_log["[2, 9, 32] float32"].times_ms)  # timer calls per path
+        assert len(timer.calls) == 2 * probed + rounds * bf16_paths
+        before = len(timer.calls)
         _moh(topk=3)(torch.randn(2, 9, 32))  # another budget too
-        assert len(timer.calls) == 4 * probed
+        assert len(timer.calls) == before + probed
         assert len(probe.choices) == 4
 
 
@@ -194,7 +210,8 @@ def test_probe_runs_are_not_counted_as_the_model_s_flops():
         first = count_flops(m, x)  # probes (running every path) inside the FLOP counter
         assert len(timer.calls) > 3
         assert m.last_path == "sparse_projections"
-        assert first == count_flops(lambda: PATHS["sparse_projections"](m, x))
+        with torch.no_grad():  # as count_flops runs a module
+            assert first == count_flops(lambda: PATHS["sparse_projections"](m, x))
 
 
 def test_bad_probe_settings_and_impls_name_the_fix():
@@ -230,7 +247,7 @@ def test_record_lists_each_layer_with_its_path_and_device():
         assert entry["impl"] == "auto" and entry["path"] == "dense_projections"
         (choice,) = entry["choices"].values()
         assert choice["device"] == device_name("cpu") and choice["source"] in ("probe", "cache")
-        assert set(choice["times_ms"]) == {"masked_dense", "dense_projections", "sparse_projections"}
+        assert set(choice["times_ms"]) == {"masked_dense", "dense_projections", "sparse_projections", *KERNEL_PATHS_HERE}
     assert [e["choices"]["[2, 17, 64] float32"]["source"] for e in layers].count("probe") == 1
 
 
@@ -257,7 +274,7 @@ def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):
     labels = [r["label"] for r in rows]
     assert labels[0] == "mha"
     for prefix, paths in (
-        ("moh-50", ["sparse_projections"]),
+        ("moh-50", ["sparse_projections", "routed_kernel", "routed_kernel_loops"]),
         ("hc-50", ["head_gather", "head_gather_dense_out"]),
     ):
         for path in ["masked_dense", "dense_projections", *paths, "auto"]:

@@ -40,14 +40,17 @@ def test_compiled_gates_equal_the_pytorch_routing(kernel, monkeypatch, heads, sh
         gates, none = router(x, None, selection=False)
         out = layer(x)
         load = router.head_load
+        _, selected = router(x, None, selection=True)  # the skipping paths' form
         monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: None)  # the PyTorch routing
         ref_gates, _ = router(x, None, selection=False)
         ref_out = layer(x)
         ref_load = router.head_load
-    assert len(calls) == 2 and none is None  # the kernel ran, for the router and for the layer
+        _, ref_selected = router(x, None, selection=True)
+    assert len(calls) == 3 and none is None  # the kernel ran, for the router (twice) and for the layer
     assert gates.shape == ref_gates.shape == (3, 11, heads) and gates.dtype == torch.float32
     torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
     assert torch.equal(gates > 0, ref_gates > 0) and torch.equal(load, ref_load)
+    assert torch.equal(selected, ref_selected) and selected.shape == (3, 11, heads)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
@@ -65,7 +68,6 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
     x = torch.randn(2, 5, 48)
     layer(x)  # gradients on: the PyTorch routing (autograd)
     with torch.no_grad():
-        layer.router(x, None, selection=True)  # the skipping paths want the selection
         layer.train()(x)
         head_choice = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, routing="head_choice")
         head_choice.eval()(x)
@@ -78,15 +80,17 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
 def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeypatch, tmp_path, caplog):
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++")
-    monkeypatch.setattr(kernels, "SOURCE", bad)
+    monkeypatch.setattr(kernels, "SOURCES", [bad])
+    monkeypatch.delenv("VISATTN_KERNELS", raising=False)
     monkeypatch.setenv("VISATTN_KERNEL_DIR", str(tmp_path / "kernels"))
-    kernels._load_moh_routing.cache_clear()
+    kernels._load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="visattn.kernels"):
             assert kernels.moh_routing_op() is None
-        assert "routing runs in PyTorch" in caplog.text
+        assert kernels.moh_routed_heads_op(torch.float32) is None
+        assert "MoH runs its PyTorch code" in caplog.text
         monkeypatch.setenv("VISATTN_KERNELS", "0")
-        kernels._load_moh_routing.cache_clear()
+        kernels._load.cache_clear()
         assert kernels.moh_routing_op() is None  # switched off: not even tried
     finally:
-        kernels._load_moh_routing.cache_clear()
+        kernels._load.cache_clear()

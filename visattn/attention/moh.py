@@ -9,6 +9,9 @@ Paths (all equal to the masked dense one up to float rounding):
   (``visattn.attention.sparse``);
 - ``sparse_projections``: queries, attention and output projection only for the selected pairs
   (token choice with the linear router; ``visattn.attention.sparse``);
+- ``routed_kernel`` / ``routed_kernel_loops``: the same, with the heads per image in one compiled pass
+  (MKL's GEMMs for the routed heads / the kernel's own loops for every head, float32;
+  ``visattn.attention.routed_kernel``; ``sparse_projections`` where the kernel cannot run);
 - ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
   batched matmuls (``visattn.attention.head_gather``).
 
@@ -27,6 +30,13 @@ from .base import HeadAttention
 from .head_gather import head_gather_forward, head_gather_supported
 from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
+from .routed_kernel import (
+    KERNEL_PATHS,
+    kernel_runs,
+    preferred_kernel_path,
+    routed_kernel_forward,
+    routed_kernel_supported,
+)
 from .routing import default_budget
 from .sparse import (
     SPARSE_PROJECTION_MAX_DENSITY,
@@ -40,6 +50,8 @@ PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
     "masked_dense": lambda attn, x: attn.dense_forward(x),
     "dense_projections": lambda attn, x: sparse_moh_forward(attn, x, projections="dense"),
     "sparse_projections": lambda attn, x: sparse_moh_forward(attn, x, projections="sparse"),
+    "routed_kernel": lambda attn, x: routed_kernel_forward(attn, x, loops=False),
+    "routed_kernel_loops": lambda attn, x: routed_kernel_forward(attn, x, loops=True),
     "head_gather": lambda attn, x: head_gather_forward(attn, x, output="rows"),
     "head_gather_dense_out": lambda attn, x: head_gather_forward(attn, x, output="dense"),
 }
@@ -58,6 +70,8 @@ def available_paths(attn: HeadAttention) -> list[str]:
     paths.append("dense_projections")
     if router.routing == "token_choice" and router.router_kind == "linear":
         paths.append("sparse_projections")
+    if routed_kernel_supported(attn) is None:
+        paths += KERNEL_PATHS
     if head_gather_supported(attn) is None:
         paths += ["head_gather", "head_gather_dense_out"]
     return paths
@@ -79,6 +93,8 @@ def _fixed_path(attn: HeadAttention, impl: str, paths: list[str]) -> str | None:
         if "head_gather" in paths:
             return "head_gather"
         few = routed_density(attn) <= SPARSE_PROJECTION_MAX_DENSITY
+        if few and "routed_kernel" in paths:
+            return preferred_kernel_path(attn)  # sparse_projections where the kernel cannot run
         return "sparse_projections" if few and "sparse_projections" in paths else "dense_projections"
     if impl not in paths:
         raise ValueError(
@@ -99,7 +115,8 @@ class MoHAttention(HeadAttention):
     ``impl``: ``"auto"`` (default) times the layer's exact paths on this machine in eval mode and
     keeps the fastest per input shape and dtype; ``"dense"`` is the masked dense path (the reference);
     ``"sparse"`` skips unselected heads (token choice: projections sparse up to half the routed pool,
-    dense above; head choice: ``head_gather``); or name a path of ``PATHS``. Under ``auto`` training
+    through the compiled kernel where it runs, dense above; head choice: ``head_gather``);
+    or name a path of ``PATHS``. Under ``auto`` training
     takes the masked dense path (a probe cannot time a backward pass without touching gradients); a
     named path runs in training too (every path is differentiable). An attention mask, ``is_causal``,
     TorchScript and torch.fx always take the masked dense path.
@@ -182,7 +199,9 @@ class MoHAttention(HeadAttention):
         The last answer is kept on the layer, so a forward like the one before costs a tuple compare."""
         dtype = compute_dtype(x)
         probe = impl_probe()
-        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path)
+        # the kernel paths that run here (the others would time sparse_projections again)
+        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_runs(self, x, p == "routed_kernel_loops"))
+        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, kernels)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:
             return self._recall[2]
@@ -192,8 +211,9 @@ class MoHAttention(HeadAttention):
         if self.fixed_path is not None:
             choice = PathChoice(self.fixed_path, device, "fixed", shape, dtype_name)
         else:
-            runs = {path: (lambda path=path: PATHS[path](self, x)) for path in self.paths}
-            key = self.probe_key(x, device, dtype_name)
+            paths = [path for path in self.paths if path not in KERNEL_PATHS or path in kernels]
+            runs = {path: (lambda path=path: PATHS[path](self, x)) for path in paths}
+            key = (*self.probe_key(x, device, dtype_name), kernels)
             choice = probe.choose(key, runs, REFERENCE_PATH, shape, dtype_name, device)
         self._recall = (recall, probe, choice)
         self.path_log[f"{list(shape)} {dtype_name}"] = choice

@@ -243,7 +243,7 @@ class HeadRouter(nn.Module):
         if not torch.jit.is_scripting():
             fused = self._compiled_gates(x, selection, logits)
             if fused is not None:
-                return fused, None
+                return fused
         B, N, _ = x.shape
         T = B * N
         S, E, k = self.shared_heads, self.pool, self.routed_topk
@@ -308,12 +308,14 @@ class HeadRouter(nn.Module):
 
 
     @torch.jit.unused
-    def _compiled_gates(self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None) -> torch.Tensor | None:
-        """``forward``'s gates [B, N, H] from the compiled kernel (``visattn.kernels``), or None where
-        the PyTorch code below runs: gradients, training, a selection asked for (the skipping paths),
-        head choice, binary gates, the l2norm router, a dense layer, a device other than the CPU,
-        torch.compile / fx tracing (they trace the PyTorch code), or no kernel on this machine."""
-        if (selection or self.training or torch.is_grad_enabled() or self.routing != "token_choice"
+    def _compiled_gates(
+        self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``forward``'s result from the compiled kernel (``visattn.kernels``), or None where the
+        PyTorch code below runs: gradients, training, head choice, binary gates, the l2norm router, a
+        dense layer, a device other than the CPU, torch.compile / fx tracing (they trace the PyTorch
+        code), or no kernel on this machine."""
+        if (self.training or torch.is_grad_enabled() or self.routing != "token_choice"
                 or self.gate_mode != "soft" or self.routed is None or x.device.type != "cpu"
                 or type(x) is not torch.Tensor or torch.compiler.is_compiling()):
             return None
@@ -328,7 +330,10 @@ class HeadRouter(nn.Module):
         gates, keep = op(logits, S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
         # [B, H]: the shared heads' rows are 1 (as below)
         self.head_load = F.pad(keep.view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t() if keeps_stats() else None
-        return gates.view(B, N, self.num_heads)
+        if not selection:
+            return gates.view(B, N, self.num_heads), None
+        chosen = torch.cat([x.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
+        return gates.view(B, N, self.num_heads), chosen.view(self.num_heads, B, N).permute(1, 2, 0)
 
 
 def rank_constants(pool: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,8 +1,12 @@
 """Compiled CPU kernels, built on this machine on first use, with the PyTorch code as the fallback.
 
-``moh_routing_op()`` is MoH's token-choice routing in one pass (``moh_routing.cpp``): ``HeadRouter``
-uses it for the masked dense path without gradients, where the PyTorch formulation costs about 20
-small operations a layer (half the routing's time at the study's sizes; docs/benchmarks.md).
+- ``moh_routing_op()``: MoH's token-choice routing in one pass (``moh_routing.cpp``). ``HeadRouter``
+  uses it without gradients, where the PyTorch formulation costs about 20 small operations a layer
+  (half the routing's time at the study's sizes; docs/benchmarks.md).
+- ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
+  selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
+  ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch
+  build (None for a dtype whose GEMM the build does not export); without, its own loops (float32).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -29,7 +33,8 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("moh_routing.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math.
 CFLAGS = ["-O3", "-fno-trapping-math"]
@@ -43,8 +48,9 @@ def kernel_dir() -> Path:
 def _build_name() -> str:
     """A name per source, flags, torch, Python and processor architecture: another version builds
     apart instead of loading a stale one (no -march: one build serves every x86-64 CPU)."""
-    key = f"{SOURCE.read_bytes()!r}{CFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}"
-    return "visattn_moh_routing_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = f"{sources!r}{CFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}"
+    return "visattn_kernels_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
 @contextlib.contextmanager
@@ -61,13 +67,31 @@ def disabled() -> Iterator[None]:
 def moh_routing_op() -> Callable | None:
     """``torch.ops.visattn.moh_gates`` (built and loaded once per process), or None where it cannot
     be built, with ``VISATTN_KERNELS=0`` and inside ``disabled()``."""
-    return None if _OFF.get() else _load_moh_routing()
+    return None if _OFF.get() or not _load() else torch.ops.visattn.moh_gates
+
+
+def moh_routed_heads_op(dtype: torch.dtype, blas: bool = True) -> Callable | None:
+    """``torch.ops.visattn.moh_routed_heads`` where it can run ``dtype`` inputs on this build, else None
+    (as ``moh_routing_op``; with ``blas``, also where torch does not export MKL's GEMM for ``dtype``;
+    without, for any dtype but float32)."""
+    if _OFF.get() or not _load():
+        return None
+    if not blas:
+        return torch.ops.visattn.moh_routed_heads if dtype == torch.float32 else None
+    ok = dtype in (torch.float32, torch.bfloat16) and _has_blas(dtype)
+    return torch.ops.visattn.moh_routed_heads if ok else None
 
 
 @functools.cache
-def _load_moh_routing() -> Callable | None:
+def _has_blas(dtype: torch.dtype) -> bool:
+    return bool(torch.ops.visattn.moh_routed_blas(dtype))
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or find) and load the kernels' library once per process; False where that fails."""
     if os.environ.get("VISATTN_KERNELS", "1") == "0":
-        return None
+        return False
     try:
         name = _build_name()
         build_dir = kernel_dir() / name
@@ -80,10 +104,10 @@ def _load_moh_routing() -> Callable | None:
         else:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build_dir),
-                               is_python_module=False, verbose=False)
-        return torch.ops.visattn.moh_gates
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+        return True
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the PyTorch path
-        log.warning("MoH routing kernel unavailable (%s: %s); routing runs in PyTorch (same results, slower). "
+        log.warning("MoH kernels unavailable (%s: %s); MoH runs its PyTorch code (same results, slower). "
                     "Set VISATTN_KERNELS=0 to skip the build.", type(err).__name__, str(err).splitlines()[0][:200])
-        return None
+        return False

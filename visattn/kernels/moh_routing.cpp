@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,28 +19,6 @@ namespace {
 
 constexpr int64_t BLOCK = 256;  // tokens per pass: every row of a block stays in L1
 
-// exp(x) for the softmaxes' x = logit - max <= 0, branch-free so that the loops over tokens vectorise
-// (Cody-Waite range reduction, degree-6 polynomial: within 2 ulp of expf). Below -87 it returns
-// exp(-87) ~ 1.6e-38 instead of a denormal or 0 (no difference to a sum or a ranking of
-// probabilities); NaN gives NaN (so does -inf, which only non-finite logits produce).
-inline float exp_le0(float x) {
-  const float c = std::max(x, -87.0f);
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) * (1 << 23);
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out + (x - x);
-}
 
 }  // namespace
 
@@ -72,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
         const float *m0 = row(R - 2), *m1 = row(R - 1);
         for (int64_t t = 0; t < n; ++t) {
           const float m = std::max(m0[t], m1[t]);
-          const float e0 = exp_le0(m0[t] - m), e1 = exp_le0(m1[t] - m), s = e0 + e1;
+          const float e0 = visattn::exp_le0(m0[t] - m), e1 = visattn::exp_le0(m1[t] - m), s = e0 + e1;
           a0[t] = e0 / s * 2.0f;
           a1[t] = e1 / s * 2.0f;
         }
@@ -87,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
         for (int64_t i = 0; i < S; ++i) {
           const float* l = row(i);
           float* gi = g + i * BLOCK;
-          for (int64_t t = 0; t < n; ++t) { gi[t] = exp_le0(l[t] - mx[t]); sum[t] += gi[t]; }
+          for (int64_t t = 0; t < n; ++t) { gi[t] = visattn::exp_le0(l[t] - mx[t]); sum[t] += gi[t]; }
         }
         for (int64_t i = 0; i < S; ++i) {
           float* gi = g + i * BLOCK;
@@ -111,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
         for (int64_t i = 0; i < E; ++i) {
           const float* l = row(routed0 + i);
           float* pi = p + i * BLOCK;
-          for (int64_t t = 0; t < n; ++t) { pi[t] = exp_le0(l[t] - mx[t]); sum[t] += pi[t]; }
+          for (int64_t t = 0; t < n; ++t) { pi[t] = visattn::exp_le0(l[t] - mx[t]); sum[t] += pi[t]; }
         }
         for (int64_t i = 0; i < E; ++i) {
           float* pi = p + i * BLOCK;

@@ -1,0 +1,191 @@
+"""The MoH heads kernel (impl='routed_kernel' / 'routed_kernel_loops', visattn/kernels/moh_routed_heads.cpp):
+equal to the masked dense path and to its PyTorch fallback (sparse_projections), on every layer option it
+accepts; where it runs and where the fallback runs instead. No timing is asserted (docs/benchmarks.md
+has those)."""
+
+import pytest
+import torch
+
+import visattn.attention.routed_kernel as routed_kernel
+import visattn.kernels as kernels
+from visattn.attention import build_attention
+from visattn.attention.moh import PATHS
+from visattn.utils.flops import count_flops
+
+
+@pytest.fixture
+def kernel():
+    if kernels.moh_routed_heads_op(torch.float32) is None:
+        pytest.skip("no C++ toolchain or no MKL SGEMM in this torch build: the PyTorch path runs instead")
+    return kernels.moh_routed_heads_op(torch.float32)
+
+
+def _moh(dim=48, heads=8, shared=2, topk=3, seed=0, impl="dense", **kwargs):
+    torch.manual_seed(seed)
+    m = build_attention("moh", dim, num_heads=heads, shared_heads=shared, routed_topk=topk, impl=impl, **kwargs)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # a router far from its initialisation: uneven head loads
+    return m.eval()
+
+
+def _counted(monkeypatch, op):
+    """Count the kernel's calls (where visattn.kernels would hand it out)."""
+    calls = []
+    real = kernels.moh_routed_heads_op
+    monkeypatch.setattr(routed_kernel, "moh_routed_heads_op",
+                        lambda dtype, blas=True: real(dtype, blas) and (lambda *a: calls.append(1) or op(*a)))
+    return calls
+
+
+LAYERS = [  # (heads, shared, topk, kwargs)
+    (8, 2, 3, {}),
+    (8, 0, 4, {}),  # no shared heads: the output starts from the bias
+    (8, 1, 7, {}),  # every routed head taken
+    (5, 3, 1, {"qkv_bias": True}),
+    (8, 2, 2, {"num_kv_heads": 2}),  # grouped keys and values
+    (8, 2, 2, {"num_kv_heads": 1, "two_stage": False}),
+    (4, 1, 2, {"proj_bias": False}),
+    (8, 2, 3, {"qk_norm": True}),  # k_norm only reaches the kernel through k (q_norm is refused below)
+]
+
+
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops"])
+@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS)
+@pytest.mark.parametrize("B, N", [(3, 17), (1, 1), (2, 70)])  # 70 tokens: column blocks of 64 + a tail
+def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, heads, shared, topk, kwargs, B, N):
+    m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)  # 80 wide: output blocks 64 + 16
+    if routed_kernel.routed_kernel_supported(m) is not None:
+        assert path not in m.paths
+        with pytest.raises(ValueError, match=path):
+            m.impl = path
+        return
+    x = torch.randn(B, N, 80)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        out = PATHS[path](m, x)
+        fallback = PATHS["sparse_projections"](m, x)
+    assert calls == [1]
+    tol = 1e-5 * ref.abs().max().item()  # float32 rounding of sums in another order
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(out, fallback, rtol=1e-5, atol=tol)
+
+
+def test_bfloat16_matches_the_masked_dense_path_to_bf16_rounding(kernel, monkeypatch):
+    if kernels.moh_routed_heads_op(torch.bfloat16) is None:
+        pytest.skip("this torch build exports no bf16 GEMM")
+    m = _moh().to(torch.bfloat16)
+    x = torch.randn(4, 33, 48, dtype=torch.bfloat16)
+    calls = _counted(monkeypatch, kernels.moh_routed_heads_op(torch.bfloat16))
+    with torch.no_grad():
+        ref = m.dense_forward(x).float()
+        out = PATHS["routed_kernel"](m, x)
+        loops = PATHS["routed_kernel_loops"](m, x)  # float32 only: the PyTorch path
+    assert out.dtype == loops.dtype == torch.bfloat16 and calls == [1]
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    torch.testing.assert_close(loops, PATHS["sparse_projections"](m, x), rtol=0, atol=0)
+
+
+def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel):
+    """The op itself on a hand-made selection (not top-k: a token may have 0..E heads, a head 0..N
+    tokens, one head none at all) against the MoH formula written out."""
+    torch.manual_seed(1)
+    B, N, C, H, S, d = 3, 7, 32, 4, 1, 8
+    x = torch.randn(B * N, C)
+    qkv_w, qkv_b, proj_w = torch.randn(3 * C, C) / 6, torch.randn(3 * C), torch.randn(C, C) / 6
+    k, v = torch.randn(B, H, N, d), torch.randn(B, H, N, d)
+    mask = torch.rand(H - S, B * N) < 0.4
+    mask[1] = False  # routed head 2: chosen by no token
+    gates = torch.rand(B * N, H)
+    base = torch.randn(B * N, C)
+    out = base.clone()
+    outs = {}
+    for first_head, loops in ((S, False), (0, False), (0, True), (S, True)):
+        outs[first_head, loops] = out = base.clone()
+        kernel(x, qkv_w, qkv_b, proj_w, k, v, mask.contiguous(), gates, S, first_head, loops, out)
+
+    q = (x @ qkv_w[: H * d].t() + qkv_b[: H * d]).view(B, N, H, d).transpose(1, 2)
+    heads = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1) @ v  # [B, H, N, d]
+    weights = torch.zeros(B * N, H)
+    weights[:, S:] = gates[:, S:] * mask.t()
+    routed = (heads.transpose(1, 2).reshape(B * N, H, d) * weights.unsqueeze(-1)).reshape(B * N, H * d)
+    weights[:, :S] = gates[:, :S]  # first_head=0: the shared heads too, every token
+    every = (heads.transpose(1, 2).reshape(B * N, H, d) * weights.unsqueeze(-1)).reshape(B * N, H * d)
+    for (first_head, _), out in outs.items():
+        expected = base + (every if first_head == 0 else routed) @ proj_w.t()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops"])
+def test_nan_in_one_image_stays_in_that_image(kernel, path):
+    m = _moh()
+    x = torch.randn(3, 9, 48)
+    x[1, 4] = float("nan")
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        out = PATHS[path](m, x)
+    assert torch.equal(out.isnan(), ref.isnan()) and out[1].isnan().any() and out[[0, 2]].isfinite().all()
+
+
+def test_gradients_dropout_and_the_kernels_off_take_the_pytorch_path(kernel, monkeypatch):
+    """The fallback is sparse_projections itself, whose gradients tests/test_sparse_moh.py holds equal to
+    the masked dense path's."""
+    m = _moh(attn_drop=0.1)
+    x = torch.randn(2, 9, 48, requires_grad=True)
+    calls = _counted(monkeypatch, kernel)
+    out = PATHS["routed_kernel"](m, x)  # gradients wanted: not the kernel
+    assert out.requires_grad and torch.equal(out, PATHS["sparse_projections"](m, x))
+    out.square().sum().backward()
+    assert x.grad is not None and m.qkv.weight.grad is not None
+    with torch.no_grad():
+        m.train()
+        PATHS["routed_kernel"](m, x)  # attention dropout in training: not in the kernel
+        m.eval()
+        with kernels.disabled():
+            PATHS["routed_kernel"](m, x)
+        assert calls == []
+        PATHS["routed_kernel"](m, x)
+    assert calls == [1]
+
+
+def test_flop_counting_sees_the_pytorch_equivalent(kernel, monkeypatch):
+    """Inside a dispatch mode (the FLOP counter) the path runs its PyTorch equivalent, so the executed
+    FLOPs count the routed pairs' work instead of losing it inside the compiled op."""
+    m = _moh(impl="routed_kernel")
+    x = torch.randn(2, 9, 48)
+    calls = _counted(monkeypatch, kernel)
+    counted = count_flops(m, x)
+    assert calls == [] and m.last_path == "routed_kernel"
+    with torch.no_grad():
+        assert counted == count_flops(lambda: PATHS["sparse_projections"](m, x)) > 0
+
+
+def test_impl_sparse_prefers_the_kernel_and_the_path_list_names_it_where_it_applies():
+    assert _moh(impl="sparse").fixed_path == "routed_kernel_loops"  # few tokens per routed head, small heads
+    assert _moh(dim=384, heads=6, shared=1, topk=2, impl="sparse").fixed_path == "routed_kernel"  # ViT-S
+    assert _moh(topk=5, impl="sparse").fixed_path == "dense_projections"  # most of the pool per token
+    assert {"routed_kernel", "routed_kernel_loops"} <= set(_moh().paths)
+    for kwargs in ({"routing": "head_choice"}, {"router": "l2norm"}):
+        m = _moh(**kwargs)
+        assert not any(path.startswith("routed_kernel") for path in m.paths)
+        assert "token choice" in routed_kernel.routed_kernel_supported(m)
+    with pytest.raises(ValueError, match="impl='routed_kernel' is not available"):
+        _moh(router="l2norm", impl="routed_kernel")
+
+
+def test_without_mkl_gemms_only_the_loops_run(kernel, monkeypatch):
+    """A torch build without MKL's GEMMs (e.g. aarch64): routed_kernel is sparse_projections, the loops
+    still run, and auto probes only the loops."""
+    monkeypatch.setattr(kernels, "_has_blas", lambda dtype: False)
+    m = _moh()
+    x = torch.randn(2, 9, 48)
+    with torch.no_grad():
+        assert routed_kernel.kernel_runs(m, x, loops=True) and not routed_kernel.kernel_runs(m, x)
+        assert torch.equal(PATHS["routed_kernel"](m, x), PATHS["sparse_projections"](m, x))
+        torch.testing.assert_close(PATHS["routed_kernel_loops"](m, x), m.dense_forward(x), rtol=1e-5, atol=1e-5)
+        m.impl = "auto"
+        m(x)
+    assert set(m.path_log["[2, 9, 48] float32"].times_ms) == {
+        "masked_dense", "dense_projections", "sparse_projections", "routed_kernel_loops"
+    }

@@ -1,0 +1,104 @@
+"""The compiled paths of token-choice MoH inference (``visattn/kernels/moh_routed_heads.cpp``).
+
+Same work as ``sparse_projections`` (``visattn.attention.sparse``): keys and values for every token, and
+for each head only the queries, attention and output projection of the tokens that chose it. The
+PyTorch version pays per routed head for index tensors, gathers, a zero-padded SDPA call and a narrow
+matmul, and sums the rows with an ``embedding_bag``; at these sizes that costs more than the skipped
+work. The kernel runs the heads per image in C++ (gather, q GEMM, attention, gate, W_O GEMM, add into
+the image's output rows), so the output stays in cache and nothing is padded.
+
+- ``routed_kernel``: the routed heads in the kernel through MKL's GEMMs; the shared heads in PyTorch
+  (one query projection, SDPA and output projection for all tokens). Suits ViT-S / DiT-B sizes.
+- ``routed_kernel_loops`` (float32): every head in the kernel, whose GEMMs are its own loops. At the
+  study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call costs more than its work.
+
+``impl="auto"`` times both where they run. Where the kernel cannot run (gradients, dropout in training,
+a device other than the CPU, a dtype it does not serve, no C++ toolchain, ``VISATTN_KERNELS=0``), either
+path is ``sparse_projections``, the same computation in PyTorch; the tests hold them equal. So it is
+under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
+the executed FLOPs counted for these paths are ``sparse_projections``' (the same pairs; its grouped
+attention also computes the padding rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from visattn.kernels import moh_routed_heads_op
+
+from .base import HeadAttention
+from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
+
+KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops")
+# impl="sparse" takes routed_kernel_loops up to this many query weights per head (dim x head width):
+# the study's layers (96 x 12, 64 x 8) ran faster on the loops, ViT-S (384 x 64) and DiT-B (768 x 64)
+# on MKL (docs/benchmarks.md). impl="auto" measures instead.
+LOOPS_MAX_WEIGHTS = 16384
+
+
+def routed_kernel_supported(attn: HeadAttention) -> str | None:
+    """None when ``attn``'s routing suits the kernel (token choice, linear router, some heads routed, no
+    query norm), else why not. Whether it runs also depends on the input (``kernel_runs``)."""
+    router = attn.router
+    if router is None or router.routed_topk == 0:
+        return "the layer does not route heads"
+    if router.routing != "token_choice" or router.router_kind != "linear":
+        return "the kernel serves token choice with the linear router"
+    if not isinstance(attn.q_norm, torch.nn.Identity):
+        return "qk_norm normalises the routed queries, which the kernel does not"
+    return None
+
+
+def preferred_kernel_path(attn: HeadAttention) -> str:
+    """The kernel path ``impl="sparse"`` takes for this layer's size."""
+    return "routed_kernel_loops" if attn.dim * attn.head_dim <= LOOPS_MAX_WEIGHTS else "routed_kernel"
+
+
+def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bool:
+    """Whether ``routed_kernel_forward(attn, x, loops)`` runs the kernel (else ``sparse_projections``),
+    outside dispatch modes."""
+    dtype = compute_dtype(x)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in attn.parameters()))
+    return (
+        x.device.type == "cpu"
+        and not needs_grad
+        and not (attn.training and attn.attn_drop.p > 0)
+        and type(x) is torch.Tensor
+        and moh_routed_heads_op(dtype, blas=not loops) is not None
+    )
+
+
+def routed_kernel_forward(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> torch.Tensor:
+    """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
+    ``routed_kernel`` (or ``routed_kernel_loops`` with ``loops``). Call only when
+    ``routed_kernel_supported(attn)`` is None."""
+    if not kernel_runs(attn, x, loops) or _get_current_dispatch_mode() is not None:
+        return sparse_moh_forward(attn, x, projections="sparse")
+    dtype = compute_dtype(x)
+    op = moh_routed_heads_op(dtype, blas=not loops)
+    B, N, C = x.shape
+    T = B * N
+    H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
+    shared = attn.router.shared_heads
+    x = x.to(dtype).contiguous()
+
+    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    k, v = torch.nn.functional.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
+    k = attn.k_norm(k.transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
+    v = v.transpose(1, 2)
+    gates, selected = attn.route(x, None)  # [B, N, H] each
+    routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
+
+    out = _Rows(T, attn.proj.out_features, x, [])
+    first_head = 0 if loops else shared
+    if first_head:
+        _shared_heads(out, attn, x, k, v, gates, shared, H // Hkv, 0.0)  # [T, dim_out], with the bias
+        rows = out.result()
+    else:
+        bias = attn.proj.bias
+        rows = out.buffer.zero_() if bias is None else out.buffer.copy_(bias.to(dtype).expand_as(out.buffer))
+    qkv_b = attn.qkv.bias.to(dtype) if attn.qkv.bias is not None else None
+    op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, routed_mask,
+       gates.view(T, H), shared, first_head, loops, rows)
+    return attn.proj_drop(rows.view(B, N, -1))

@@ -1,0 +1,420 @@
+// The heads of token-choice MoH inference, one image at a time (visattn.attention.routed_kernel): for
+// every head from `first_head` on, the image's tokens that chose it (all of them for a shared head) are
+// gathered, their queries projected (one GEMM), attended against the image's keys and values, gated,
+// projected through the head's slice of W_O (one GEMM) and added to their output rows. Nothing is
+// computed for unselected (token, head) pairs and no index tensor, padding or per-head operator call is
+// made: at ViT-S / DiT-B sizes those cost more than the skipped work (docs/benchmarks.md).
+//
+// The GEMMs are MKL's (SGEMM, cblas_gemm_bf16bf16f32), which x86 builds of libtorch_cpu export. They
+// are looked up at run time, so the library loads on any build; moh_routed_blas(dtype) says whether
+// the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. With
+// `small_gemm` (float32), the GEMMs are loops here instead: at the study's sizes (12-wide heads, 17-49
+// tokens) a BLAS call costs more than its few thousand multiply-adds.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                         const int*, const float*, const int*, const float*, float*, const int*);
+using bf16gemm_t = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                            float*, int);
+
+sgemm_t sgemm_fn() {
+  static const sgemm_t fn = reinterpret_cast<sgemm_t>(dlsym(RTLD_DEFAULT, "sgemm_"));
+  return fn;
+}
+bf16gemm_t bf16gemm_fn() {
+  static const bf16gemm_t fn = reinterpret_cast<bf16gemm_t>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
+  return fn;
+}
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+// Row-major c[m, n] (float32, row stride ldc) = alpha * a[m, kk] @ (b_t ? b^T (b: [n, kk]) : b (b: [kk, n])).
+void gemm(bool b_t, int m, int n, int kk, float alpha, const float* a, int lda, const float* b, int ldb, float* c,
+          int ldc) {
+  const float beta = 0.f;
+  // column-major BLAS: c^T = op(b)^T-ish, so the operands swap
+  sgemm_fn()(b_t ? "T" : "N", "N", &n, &m, &kk, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+void gemm(bool b_t, int m, int n, int kk, float alpha, const c10::BFloat16* a, int lda, const c10::BFloat16* b,
+          int ldb, float* c, int ldc) {
+  bf16gemm_fn()(kRowMajor, kNoTrans, b_t ? kTrans : kNoTrans, m, n, kk, alpha, reinterpret_cast<const uint16_t*>(a),
+                lda, reinterpret_cast<const uint16_t*>(b), ldb, 0.f, c, ldc);
+}
+
+// Columns of b are padded to a multiple of this (one AVX-512 register): small_gemm reads whole blocks.
+constexpr int64_t kLanes = 16;
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Sixteen floats as one value: one AVX-512 register in the AVX-512 clone, two or four narrower ones in
+// the others (GCC's vector extension; the compiler picks the instructions per clone).
+typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+
+// RB rows of c, NB column blocks (NB * 16 <= 64): the accumulators are RB * NB registers and the rows'
+// multiply-adds are independent, so neither latency nor loads and stores of c bound the loop. Row r
+// of a is a[r], of c is c[r]; with `add`, c[r] += the product instead of being set to it.
+template <int RB, int NB>
+__attribute__((always_inline)) inline void small_block(int64_t k, float alpha, const float* const* a, const float* b,
+                                                       int64_t ldb, float* const* c, int64_t ncols, bool add) {
+  lanes_t acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = lanes_t{};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    lanes_t bv[NB];
+    for (int j = 0; j < NB; ++j) std::memcpy(&bv[j], b + kk * ldb + j * kLanes, sizeof(lanes_t));
+    for (int r = 0; r < RB; ++r) {
+      const float av = a[r][kk];
+      for (int j = 0; j < NB; ++j) acc[r][j] += av * bv[j];
+    }
+  }
+  float out[NB * kLanes];
+  for (int r = 0; r < RB; ++r) {
+    for (int j = 0; j < NB; ++j) std::memcpy(out + j * kLanes, &acc[r][j], sizeof(lanes_t));
+    if (add)
+      for (int64_t j = 0; j < ncols; ++j) c[r][j] += alpha * out[j];
+    else
+      for (int64_t j = 0; j < ncols; ++j) c[r][j] = alpha * out[j];
+  }
+}
+
+template <int RB>
+__attribute__((always_inline)) inline void small_rows(int64_t nb, int64_t k, float alpha, const float* const* a,
+                                                      const float* b, int64_t ldb, float* const* c, int64_t ncols,
+                                                      bool add) {
+  switch (nb) {
+    case 1: small_block<RB, 1>(k, alpha, a, b, ldb, c, ncols, add); break;
+    case 2: small_block<RB, 2>(k, alpha, a, b, ldb, c, ncols, add); break;
+    case 3: small_block<RB, 3>(k, alpha, a, b, ldb, c, ncols, add); break;
+    default: small_block<RB, 4>(k, alpha, a, b, ldb, c, ncols, add); break;
+  }
+}
+
+// c[m, n] = alpha * a[m, k] @ b[k, n] (ldb), float32, for operands too small for a BLAS call to pay.
+// Row i of a is a + a_rows[i] * lda (a + i * lda without a_rows), row i of c likewise, so gathering the
+// chosen tokens' rows and adding into them need no copies; with `add` the product is added to c. b
+// must be readable for padded(n) columns per row (the callers pad their copies); the padding only feeds
+// accumulator lanes that are never written. Sums in k order: no reassociation, so no -ffast-math.
+VISATTN_SIMD_CLONES void small_gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                                    const int64_t* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                    const int64_t* c_rows, bool add) {
+  const float* ar[4];
+  float* cr[4];
+  for (int64_t j0 = 0; j0 < n; j0 += 4 * kLanes) {
+    const int64_t ncols = std::min<int64_t>(4 * kLanes, n - j0), nb = padded(ncols) / kLanes;
+    for (int64_t i = 0; i < m; i += 4) {
+      const int rb = static_cast<int>(std::min<int64_t>(4, m - i));
+      for (int r = 0; r < rb; ++r) {
+        ar[r] = a + (a_rows ? a_rows[i + r] : i + r) * lda;
+        cr[r] = c + (c_rows ? c_rows[i + r] : i + r) * ldc + j0;
+      }
+      if (rb == 4) small_rows<4>(nb, k, alpha, ar, b + j0, ldb, cr, ncols, add);
+      else
+        for (int r = 0; r < rb; ++r) small_rows<1>(nb, k, alpha, ar + r, b + j0, ldb, cr + r, ncols, add);
+    }
+  }
+}
+
+// [rows, cols] (row stride ld) -> [cols, padded(rows)] in `out` (transposed, rows padded with zeros).
+template <typename T>
+void transpose_padded(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vector<T>& out) {
+  const int64_t ldo = padded(rows);
+  out.assign(cols * ldo, T(0));
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * ldo + i] = src[i * ld + j];
+}
+
+// [rows, cols] (row stride ld) -> [rows, padded(cols)] in `out` (columns padded with zeros).
+template <typename T>
+void copy_padded(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vector<T>& out) {
+  const int64_t ldo = padded(cols);
+  out.assign(rows * ldo, T(0));
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(&out[i * ldo], src + i * ld, cols * sizeof(T));
+}
+
+// row[0..n) <- softmax(row). Eight partial maxima and sums, so the loops vectorise without reassociating
+// anything the compiler may not (no -ffast-math); a NaN score makes the row NaN, as in SDPA.
+VISATTN_SIMD_CLONES void softmax_row(float* row, int64_t n) {
+  constexpr int64_t L = 8;
+  float part[L];
+  for (int64_t l = 0; l < L; ++l) part[l] = row[0];
+  int64_t j = 0;
+  for (; j + L <= n; j += L)
+    for (int64_t l = 0; l < L; ++l) part[l] = std::max(part[l], row[j + l]);
+  float mx = part[0];
+  for (int64_t l = 1; l < L; ++l) mx = std::max(mx, part[l]);
+  for (; j < n; ++j) mx = std::max(mx, row[j]);
+  for (j = 0; j < n; ++j) row[j] = visattn::exp_le0(row[j] - mx);
+  for (int64_t l = 0; l < L; ++l) part[l] = 0.f;
+  for (j = 0; j + L <= n; j += L)
+    for (int64_t l = 0; l < L; ++l) part[l] += row[j + l];
+  float total = 0.f;
+  for (int64_t l = 0; l < L; ++l) total += part[l];
+  for (; j < n; ++j) total += row[j];
+  const float inv = 1.f / total;
+  for (j = 0; j < n; ++j) row[j] *= inv;
+}
+
+// dst[rows[i] * n ..][0..n) += src[i * n ..][0..n) for i < m: each gathered row's projection added to its token.
+VISATTN_SIMD_CLONES void add_rows(float* dst, const float* src, const int64_t* rows, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* out = dst + rows[i] * n;
+    const float* in = src + i * n;
+    for (int64_t c = 0; c < n; ++c) out[c] += in[c];
+  }
+}
+
+// The float32 rows to sum into: the output itself for float32, else `acc` holding the output's values.
+template <typename T>
+float* out_rows_as_float(T* out, std::vector<float>& acc, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    return out;
+  } else {
+    acc.resize(count);
+    for (int64_t i = 0; i < count; ++i) acc[i] = static_cast<float>(out[i]);
+    return acc.data();
+  }
+}
+
+// Rounds as the masked dense path does: q, the attention output and the gated output are each
+// stored in T there (the linear's, SDPA's and the multiply's outputs).
+template <typename T>
+inline float round_to(float value) {
+  return static_cast<float>(static_cast<T>(value));
+}
+
+// The image's tokens that chose head h (all N for a shared head, h < S), ascending.
+inline void chosen_rows(const bool* mask, int64_t h, int64_t S, int64_t b, int64_t N, int64_t T_total,
+                        std::vector<int64_t>& rows) {
+  rows.clear();
+  const bool* chosen = h >= S ? mask + (h - S) * T_total + b * N : nullptr;
+  for (int64_t n = 0; n < N; ++n)
+    if (!chosen || chosen[n]) rows.push_back(n);
+}
+
+// The op's arguments as sizes and pointers (see moh_routed_heads for their layouts).
+template <typename T>
+struct Heads {
+  int64_t B, Hkv, N, d, C, Co, H, group, S, first_head;
+  const T *x, *wq, *bq, *wo, *k, *v;  // bq: nullptr without a bias
+  int64_t ldwo, k_stride[3], v_stride[3];  // proj_w's row stride; k's and v's strides over (image, head, token)
+  const bool* mask;
+  const float* gates;
+  T* out;
+
+  Heads(const at::Tensor& x_, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w,
+        const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& routed_mask, const at::Tensor& gates_, int64_t S_,
+        int64_t first_head_, at::Tensor& out_)
+      : B(k_.size(0)), Hkv(k_.size(1)), N(k_.size(2)), d(k_.size(3)), C(x_.size(1)), Co(out_.size(1)),
+        H(gates_.size(1)), group(H / Hkv), S(S_), first_head(first_head_), x(x_.data_ptr<T>()),
+        wq(qkv_w.data_ptr<T>()), bq(qkv_b.has_value() ? qkv_b->data_ptr<T>() : nullptr), wo(proj_w.data_ptr<T>()),
+        k(k_.data_ptr<T>()), v(v_.data_ptr<T>()), ldwo(proj_w.stride(0)),
+        k_stride{k_.stride(0), k_.stride(1), k_.stride(2)}, v_stride{v_.stride(0), v_.stride(1), v_.stride(2)},
+        mask(routed_mask.data_ptr<bool>()), gates(gates_.data_ptr<float>()), out(out_.data_ptr<T>()) {}
+
+  // Image b's keys / values of key/value head kvh: [N, d], row stride k_stride[2] / v_stride[2].
+  const T* keys(int64_t b, int64_t kvh) const { return k + b * k_stride[0] + kvh * k_stride[1]; }
+  const T* values(int64_t b, int64_t kvh) const { return v + b * v_stride[0] + kvh * v_stride[1]; }
+  float gate(int64_t b, int64_t n, int64_t h) const { return gates[(b * N + n) * H + h]; }
+};
+
+// Through MKL's GEMMs, one image at a time (its output rows stay in cache while every head adds to
+// them). Gathering several images per head for larger GEMMs measured no faster.
+template <typename T>
+void heads_blas(const Heads<T>& p) {
+  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co;
+  const int ldk = static_cast<int>(p.k_stride[2]), ldv = static_cast<int>(p.v_stride[2]);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+
+  at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> rows;
+    std::vector<T> xg, q, probs, o_gated;
+    std::vector<float> qf, s, o, r, acc;
+    for (int64_t b = b0; b < b1; ++b) {
+      T* out_rows = p.out + b * N * Co;
+      // float32 adds straight into the output rows; bfloat16 sums in float32 and rounds once at the end
+      float* sum = out_rows_as_float<T>(out_rows, acc, N * Co);
+      for (int64_t h = p.first_head; h < p.H; ++h) {
+        chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
+        const int64_t m = static_cast<int64_t>(rows.size());
+        if (m == 0) continue;
+        // queries of the chosen tokens: [m, C] @ W_q[h]^T -> [m, d]
+        xg.resize(m * C);
+        for (int64_t i = 0; i < m; ++i) std::memcpy(&xg[i * C], p.x + (b * N + rows[i]) * C, C * sizeof(T));
+        qf.resize(m * d);
+        gemm(true, m, d, C, 1.f, xg.data(), C, p.wq + h * d * C, C, qf.data(), d);
+        q.resize(m * d);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t c = 0; c < d; ++c)
+            q[i * d + c] = static_cast<T>(qf[i * d + c] + (p.bq ? static_cast<float>(p.bq[h * d + c]) : 0.f));
+        // attention against every key of the image (N is at most a few hundred: one block, one pass)
+        const int64_t kvh = h / p.group;
+        s.resize(m * N);
+        gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
+        for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
+        o.resize(m * d);
+        if constexpr (std::is_same_v<T, float>) {
+          gemm(false, m, d, N, 1.f, s.data(), N, p.values(b, kvh), ldv, o.data(), d);
+        } else {
+          probs.resize(m * N);
+          for (int64_t i = 0; i < m * N; ++i) probs[i] = static_cast<T>(s[i]);
+          gemm(false, m, d, N, 1.f, probs.data(), N, p.values(b, kvh), ldv, o.data(), d);
+        }
+        // gate (cast to T first, as the dense path multiplies in T), then W_O[:, h] -> [m, Co], added
+        o_gated.resize(m * d);
+        for (int64_t i = 0; i < m; ++i) {
+          const float g = round_to<T>(p.gate(b, rows[i], h));
+          for (int64_t c = 0; c < d; ++c) o_gated[i * d + c] = static_cast<T>(round_to<T>(o[i * d + c]) * g);
+        }
+        r.resize(m * Co);
+        gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
+        add_rows(sum, r.data(), rows.data(), m, Co);
+      }
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t i = 0; i < N * Co; ++i) out_rows[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// Through small_gemm, float32, one image at a time: the chosen tokens' rows are read and added to in
+// place (no gathered copies), and every operand small_gemm multiplies by is a padded row-major copy
+// (W_q[h]^T and W_O[:, h]^T once per call, K^T and V once per image and key/value head). The shared
+// heads (every token) run together: one query GEMM and one output GEMM for all of them.
+void heads_loops(const Heads<float>& p) {
+  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co, H = p.H;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const int64_t dp = padded(d), Cop = padded(Co), Np = padded(N);
+  const int64_t S = p.first_head == 0 ? p.S : 0, Sd = S * d, Sdp = padded(Sd);
+  std::vector<float> wq_t(H * C * dp, 0.f), wo_t(H * d * Cop, 0.f);  // [H][C][dp], [H][d][Cop]
+  std::vector<float> wq_shared_t(C * Sdp, 0.f);                       // [C][Sdp]: the shared heads' W_q^T
+  for (int64_t h = p.first_head; h < H; ++h) {
+    for (int64_t r = 0; r < d; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        wq_t[(h * C + c) * dp + r] = p.wq[(h * d + r) * C + c];
+        if (h < S) wq_shared_t[c * Sdp + h * d + r] = p.wq[(h * d + r) * C + c];
+      }
+    for (int64_t c = 0; c < Co; ++c)
+      for (int64_t r = 0; r < d; ++r) wo_t[(h * d + r) * Cop + c] = p.wo[c * p.ldwo + h * d + r];
+  }
+
+  at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> rows;
+    std::vector<float> q, s, o, k_t, v_p, q_shared(N * Sd), o_shared(N * Sd);
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* x_rows = p.x + b * N * C;
+      float* out_rows = p.out + b * N * Co;
+      int64_t kv_loaded = -1;  // the key/value head k_t and v_p hold, for this image
+      auto load_kv = [&](int64_t kvh) {
+        if (kv_loaded == kvh) return;
+        transpose_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_t);  // K^T [d, Np]
+        copy_padded(p.values(b, kvh), N, d, p.v_stride[2], v_p);     // V [N, dp]
+        kv_loaded = kvh;
+      };
+      if (S > 0) {
+        small_gemm(N, Sd, C, 1.f, x_rows, C, nullptr, wq_shared_t.data(), Sdp, q_shared.data(), Sd, nullptr, false);
+        if (p.bq)
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t c = 0; c < Sd; ++c) q_shared[i * Sd + c] += p.bq[c];
+        for (int64_t h = 0; h < S; ++h) {
+          load_kv(h / p.group);
+          s.resize(N * N);
+          small_gemm(N, N, d, scale, &q_shared[h * d], Sd, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
+          for (int64_t i = 0; i < N; ++i) softmax_row(&s[i * N], N);
+          small_gemm(N, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, &o_shared[h * d], Sd, nullptr, false);
+          for (int64_t i = 0; i < N; ++i)
+            for (int64_t c = 0; c < d; ++c) o_shared[i * Sd + h * d + c] *= p.gate(b, i, h);
+        }
+        small_gemm(N, Co, Sd, 1.f, o_shared.data(), Sd, nullptr, wo_t.data(), Cop, out_rows, Co, nullptr, true);
+      }
+      for (int64_t h = std::max(p.first_head, p.S); h < H; ++h) {
+        chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
+        const int64_t m = static_cast<int64_t>(rows.size());
+        if (m == 0) continue;
+        const int64_t* index = m < N ? rows.data() : nullptr;  // every token: rows 0..N-1 in place
+        q.resize(m * d);
+        small_gemm(m, d, C, 1.f, x_rows, C, index, &wq_t[h * C * dp], dp, q.data(), d, nullptr, false);
+        if (p.bq)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t c = 0; c < d; ++c) q[i * d + c] += p.bq[h * d + c];
+        load_kv(h / p.group);
+        s.resize(m * N);
+        small_gemm(m, N, d, scale, q.data(), d, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
+        for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
+        o.resize(m * d);
+        small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, o.data(), d, nullptr, false);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t c = 0; c < d; ++c) o[i * d + c] *= p.gate(b, rows[i], h);
+        // W_O[:, h] -> added into the chosen tokens' output rows
+        small_gemm(m, Co, d, 1.f, o.data(), d, nullptr, &wo_t[h * d * Cop], Cop, out_rows, Co, index, true);
+      }
+    }
+  });
+}
+
+// x: [T, C] (T = B * N, contiguous); qkv_w: [>= H * d, C] (the query rows of head h at h * d), qkv_b
+// its bias or None; proj_w: [Co, H * d] (unit column stride); k, v: [B, Hkv, N, d] (unit last stride);
+// routed_mask: [E, T] bool (E = H - S routed heads, head-major); gates: [T, H] float32; first_head: 0
+// (every head here) or S (the shared heads computed by the caller); small_gemm: float32 only; out:
+// [T, Co], holding the bias (and the shared heads' part when first_head = S) on entry, the whole layer
+// output on return.
+void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
+                      const at::Tensor& proj_w, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& routed_mask, const at::Tensor& gates, int64_t S, int64_t first_head,
+                      bool small_gemm, at::Tensor out) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moh_routed_heads: float32 or bfloat16, got ", dtype);
+  for (const at::Tensor& t : {qkv_w, proj_w, k, v, out})
+    TORCH_CHECK(t.scalar_type() == dtype, "moh_routed_heads: every tensor in ", dtype);
+  TORCH_CHECK(!qkv_b.has_value() || (qkv_b->scalar_type() == dtype && qkv_b->is_contiguous()), "moh_routed_heads: qkv_b");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qkv_w.is_contiguous() && out.is_contiguous(),
+              "moh_routed_heads: x, qkv_w and out contiguous");
+  TORCH_CHECK(proj_w.stride(1) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "moh_routed_heads: unit last strides");
+  TORCH_CHECK(routed_mask.scalar_type() == at::kBool && routed_mask.is_contiguous(), "moh_routed_heads: routed_mask bool");
+  TORCH_CHECK(gates.scalar_type() == at::kFloat && gates.is_contiguous() && gates.dim() == 2, "moh_routed_heads: gates");
+  const int64_t B = k.size(0), N = k.size(2), H = gates.size(1);
+  TORCH_CHECK(x.size(0) == B * N && out.size(0) == B * N && gates.size(0) == B * N, "moh_routed_heads: token counts");
+  TORCH_CHECK(0 <= S && S < H && routed_mask.size(0) == H - S && routed_mask.size(1) == B * N && H % k.size(1) == 0,
+              "moh_routed_heads: head counts");
+  TORCH_CHECK(first_head == 0 || first_head == S, "moh_routed_heads: first_head is 0 or S");
+  TORCH_CHECK(!small_gemm || dtype == at::kFloat, "moh_routed_heads: small_gemm is float32 only");
+  TORCH_CHECK(small_gemm || (dtype == at::kFloat ? sgemm_fn() != nullptr : bf16gemm_fn() != nullptr),
+              "moh_routed_heads: no MKL GEMM for ", dtype, " in this torch build (check moh_routed_blas first)");
+  if (N == 0 || B == 0) return;
+  if (dtype == at::kFloat) {
+    const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out);
+    small_gemm ? heads_loops(heads) : heads_blas(heads);
+  } else {
+    heads_blas(Heads<c10::BFloat16>(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out));
+  }
+}
+
+// Whether this torch build exports the GEMM moh_routed_heads needs for `dtype` (float32: SGEMM,
+// bfloat16: cblas_gemm_bf16bf16f32).
+bool moh_routed_blas(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return sgemm_fn() != nullptr;
+  if (dtype == at::kBFloat16) return bf16gemm_fn() != nullptr;
+  return false;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(visattn, m) {
+  m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, "
+        "Tensor routed_mask, Tensor gates, int S, int first_head, bool small_gemm, Tensor(a!) out) -> ()");
+  m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
+}
+TORCH_LIBRARY_IMPL(visattn, CPU, m) { m.impl("moh_routed_heads", &moh_routed_heads); }
