@@ -7,6 +7,7 @@ import torch
 
 import visattn.kernels as kernels
 from visattn.attention import build_attention
+from visattn.utils.flops import flop_counter
 
 BUDGETS = [  # (heads, shared, topk, two_stage)
     (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (4, 2, 1, True), (12, 0, 11, False),
@@ -68,6 +69,8 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
     x = torch.randn(2, 5, 48)
     layer(x)  # gradients on: the PyTorch routing (autograd)
     with torch.no_grad():
+        with flop_counter():  # a dispatch mode sees the PyTorch routing's matmuls
+            layer.eval()(x)
         layer.train()(x)
         head_choice = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, routing="head_choice")
         head_choice.eval()(x)

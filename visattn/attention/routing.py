@@ -31,6 +31,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from visattn.kernels import moh_routing_op
 
@@ -314,10 +315,12 @@ class HeadRouter(nn.Module):
         """``forward``'s result from the compiled kernel (``visattn.kernels``), or None where the
         PyTorch code below runs: gradients, training, head choice, binary gates, the l2norm router, a
         dense layer, a device other than the CPU, torch.compile / fx tracing (they trace the PyTorch
-        code), or no kernel on this machine."""
+        code), a Python dispatch mode (e.g. the FLOP counter, which then sees the routing's matmuls as in
+        training), or no kernel on this machine."""
         if (self.training or torch.is_grad_enabled() or self.routing != "token_choice"
                 or self.gate_mode != "soft" or self.routed is None or x.device.type != "cpu"
-                or type(x) is not torch.Tensor or torch.compiler.is_compiling()):
+                or type(x) is not torch.Tensor or torch.compiler.is_compiling()
+                or _get_current_dispatch_mode() is not None):
             return None
         op = moh_routing_op()
         if op is None:
