@@ -284,3 +284,19 @@ def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):
     assert {r["label"]: r for r in rows}["moh-50 masked_dense"]["vs_masked"] == 1.0
     printed = capsys.readouterr().out
     assert printed.startswith("Machine: ") and f"auto -> {auto['auto_path']}" in printed
+
+
+def test_paths_bench_reports_auto_s_choice_per_dtype():
+    """One workload serves both dtypes (bf16 under autocast): each row names the choice for its own dtype,
+    not the path the layer ran last."""
+    from visattn.bench.attention import Shape
+    from visattn.bench.paths import run_paths_bench
+
+    def timer(path, run):  # fastest: dense_projections in bf16, sparse_projections in fp32
+        fast = "dense_projections" if torch.is_autocast_enabled("cpu") else "sparse_projections"
+        return 0.1 if path == fast else 1.0
+
+    with use_impl_probe(ImplProbe(timer=timer)):
+        rows = run_paths_bench([Shape.parse("2,5,16,4")], [0.5], ["fp32", "bf16"], warmup=0, repeats=1)
+    auto = {r["dtype"]: r["auto_path"] for r in rows if r["label"] == "moh-50 auto"}
+    assert auto == {"fp32": "sparse_projections", "bf16": "dense_projections"}

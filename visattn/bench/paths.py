@@ -18,7 +18,7 @@ from visattn.attention import build_attention, impl_choices
 
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
 from .measure import measure_cases
-from .workload import Workload
+from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
 
@@ -38,10 +38,15 @@ def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:
     return cases
 
 
-def _chosen_path(work: Workload) -> str | None:
-    """The path an ``impl="auto"`` layer ran last (None for other rows)."""
+def _chosen_path(work: Workload, dtype: str) -> str | None:
+    """The path an ``impl="auto"`` layer chose for ``dtype`` (None for other rows). One workload serves
+    every dtype (bf16 runs under autocast), so the choice is read per dtype, not as the last path run."""
     layers = impl_choices(work.module)["layers"]
-    return layers[0]["path"] if layers and layers[0]["impl"] == "auto" else None
+    if not layers or layers[0]["impl"] != "auto":
+        return None
+    compute = str(DTYPES[dtype] or torch.float32).removeprefix("torch.")  # as the probe names it
+    chosen = [c["path"] for key, c in layers[0]["choices"].items() if key.endswith(" " + compute)]
+    return chosen[-1] if chosen else None
 
 
 def _versus_masked(rows: list[dict[str, Any]]) -> None:
@@ -91,7 +96,7 @@ def _shape_rows(
     )
     measured = [r for r in rows if "skipped" not in r]
     for row in measured:
-        row["auto_path"] = _chosen_path(works[row["label"]]) if row["label"].endswith(" auto") else None
+        row["auto_path"] = _chosen_path(works[row["label"]], row["dtype"]) if row["label"].endswith(" auto") else None
     _versus_masked(measured)
     return [{"shape": str(shape), **row} for row in rows]
 
