@@ -198,11 +198,14 @@ class HeadAttention(nn.Module):
         """``merge_heads`` for heads of equal width (callable by variants that override it).
         heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
         B, H, N, d = heads.shape
-        if gates is not None:
-            gates = gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype)
+        if gates is not None and not torch.is_grad_enabled():
             # without gradients the heads (attend's own output) are gated in place: no new buffer
-            heads = heads * gates if torch.is_grad_enabled() else heads.mul_(gates)
+            heads = heads.mul_(gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype))
         out = heads.transpose(1, 2).reshape(B, N, H * d)  # explicit width: -1 is ambiguous for B = 0
+        if gates is not None and torch.is_grad_enabled():
+            # gates repeated over each head's width: a product of equal shapes and its backward run 2-3x
+            # faster on CPU than one broadcast over a last dimension of d (2-3% of a study layer's step)
+            out = out * gates.to(out.dtype).unsqueeze(-1).expand(B, N, H, d).reshape(B, N, H * d)
         out = self.norm(out)
         gate = self.gate
         if gate is not None:
