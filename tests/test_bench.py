@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from visattn.attention.moh import PATHS
 from visattn.bench import attention_cases, moh_budget
 from visattn.bench.__main__ import main
 from visattn.bench.attention import Shape
@@ -173,8 +174,7 @@ def test_study_mode_times_the_studys_own_models(tmp_path, capsys):
         assert mha["active_heads"] == [48, 48] and moh["active_heads"] == [24, 48]  # conf/study/cells.yaml
         assert mha["infer_ratio"] == 1.0 and mha["train_ratio"] == 1.0
         assert moh["train_images_per_s"] == pytest.approx(2 / (moh["train_ms"] / 1e3))
-        assert len(moh["paths"]) == 6 and all(p in ("masked_dense", "dense_projections", "sparse_projections")
-                                              for p in moh["paths"])
+        assert len(moh["paths"]) == 6 and all(p in PATHS for p in moh["paths"])  # auto's choices, per layer
     text = capsys.readouterr().out
     assert "### study-dit, fp32" in text and "img/s infer vs ref" in text
 
@@ -202,10 +202,26 @@ def test_study_mode_compares_each_cell_with_the_kernels_off(tmp_path, monkeypatc
           "--threads", "1", "--no-train", "--compare-kernels", "--out", str(out)])
     rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["mha", "moh-50", "moh-50 pytorch"]
-    # the same model: its matmuls; the PyTorch routing's ranking matmul is counted on top
-    assert 0 < rows["moh-50"]["infer_flops"] <= rows["moh-50 pytorch"]["infer_flops"] < 1.01 * rows["moh-50"]["infer_flops"]
+    # The same model. Executed FLOPs count the PyTorch equivalent of each path (the FLOP counter sees no
+    # compiled op), so they match where both rows took the same paths; a compiled path skips work.
+    on, off = rows["moh-50"], rows["moh-50 pytorch"]
+    assert 0 < on["infer_flops"] <= off["infer_flops"]
+    if on["paths"] == off["paths"]:
+        assert off["infer_flops"] < 1.01 * on["infer_flops"]
     assert False in seen  # the pytorch row's forwards ran with the kernels off
     from visattn import kernels
 
     with kernels.disabled():
         assert kernels.moh_routing_op() is None
+
+
+def test_study_mode_times_each_cell_again_with_a_named_moh_impl(tmp_path):
+    """'<cell> <impl>' rows: the same model with its MoH layers set to the impl where they have it,
+    trained on it (impl=auto trains on the masked dense path)."""
+    out = tmp_path / "study.json"
+    main(["study", "--tasks", "cls", "--cells", "mha", "moh-50", "--batch", "2", "--warmup", "0", "--repeats", "1",
+          "--threads", "1", "--moh-impl", "sparse", "--out", str(out)])
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["mha", "moh-50", "moh-50 sparse"]
+    assert rows["moh-50 sparse"]["train_ms"] > 0
+    assert all(p != "masked_dense" for p in rows["moh-50 sparse"]["paths"])  # every study layer routes

@@ -128,9 +128,39 @@ def test_nan_in_one_image_stays_in_that_image(kernel, path):
     assert torch.equal(out.isnan(), ref.isnan()) and out[1].isnan().any() and out[[0, 2]].isfinite().all()
 
 
+@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS)
+def test_the_loops_gradients_equal_the_masked_dense_path_s(kernel, monkeypatch, heads, shared, topk, kwargs):
+    """routed_kernel_loops in training: the kernel's forward and compiled backward, against autograd
+    through the masked dense path (every parameter, the input; the load-balancing loss included)."""
+    m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs).train()
+    if routed_kernel.routed_kernel_supported(m) is not None:
+        return
+    x = torch.randn(3, 21, 80)
+    weight = torch.randn(3, 21, 80)
+    calls = _counted(monkeypatch, kernel)
+    grads = {}
+    for path in ("masked_dense", "routed_kernel_loops"):
+        m.zero_grad()
+        x_path = x.clone().requires_grad_()
+        out = PATHS[path](m, x_path)
+        ((out * weight).sum() + m.router.aux_loss).backward()
+        grads[path] = {"out": out.detach(), "x": x_path.grad, **{n: p.grad for n, p in m.named_parameters()}}
+    assert calls == [1]
+    reference, loops = grads["masked_dense"], grads["routed_kernel_loops"]
+    assert reference.keys() == loops.keys()
+    for name, value in reference.items():
+        if value is None:
+            assert loops[name] is None, name
+            continue
+        # float32 sums in another order; a gradient that is 0 in exact arithmetic (the routed router's
+        # with one routed head per token: renormalised gates are constant) is rounding on both sides
+        scale = max(value.abs().max().item(), reference["x"].abs().max().item() * 1e-3)
+        torch.testing.assert_close(loops[name], value, rtol=1e-4, atol=2e-5 * scale, msg=name)
+
+
 def test_gradients_dropout_and_the_kernels_off_take_the_pytorch_path(kernel, monkeypatch):
-    """The fallback is sparse_projections itself, whose gradients tests/test_sparse_moh.py holds equal to
-    the masked dense path's."""
+    """Where the kernel has no backward (routed_kernel) or no dropout, the fallback is sparse_projections
+    itself, whose gradients tests/test_sparse_moh.py holds equal to the masked dense path's."""
     m = _moh(attn_drop=0.1)
     x = torch.randn(2, 9, 48, requires_grad=True)
     calls = _counted(monkeypatch, kernel)
@@ -140,7 +170,7 @@ def test_gradients_dropout_and_the_kernels_off_take_the_pytorch_path(kernel, mon
     assert x.grad is not None and m.qkv.weight.grad is not None
     with torch.no_grad():
         m.train()
-        PATHS["routed_kernel"](m, x)  # attention dropout in training: not in the kernel
+        PATHS["routed_kernel_loops"](m, x)  # attention dropout in training: not in the kernel
         m.eval()
         with kernels.disabled():
             PATHS["routed_kernel"](m, x)

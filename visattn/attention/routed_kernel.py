@@ -55,14 +55,17 @@ def preferred_kernel_path(attn: HeadAttention) -> str:
     return "routed_kernel_loops" if attn.dim * attn.head_dim <= LOOPS_MAX_WEIGHTS else "routed_kernel"
 
 
+def needs_grad(attn: HeadAttention, x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in attn.parameters()))
+
+
 def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bool:
     """Whether ``routed_kernel_forward(attn, x, loops)`` runs the kernel (else ``sparse_projections``),
-    outside dispatch modes."""
+    outside dispatch modes. With gradients only the loops have a backward (``_HeadsLoops``)."""
     dtype = compute_dtype(x)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in attn.parameters()))
     return (
         x.device.type == "cpu"
-        and not needs_grad
+        and (loops or not needs_grad(attn, x))
         and not (attn.training and attn.attn_drop.p > 0)
         and type(x) is torch.Tensor
         and moh_routed_heads_op(dtype, blas=not loops) is not None
@@ -90,6 +93,13 @@ def routed_kernel_forward(attn: HeadAttention, x: torch.Tensor, loops: bool = Fa
     gates, selected = attn.route(x, None)  # [B, N, H] each
     routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
 
+    if loops and needs_grad(attn, x):
+        wq = attn.qkv.weight[: attn.attn_dim]
+        bq = attn.qkv.bias[: attn.attn_dim] if attn.qkv.bias is not None else None
+        out = _HeadsLoops.apply(op, x.view(T, C), wq, bq, attn.proj.weight, k, v, routed_mask, gates.view(T, H), shared)
+        if attn.proj.bias is not None:
+            out = out + attn.proj.bias
+        return attn.proj_drop(out.view(B, N, -1))
     out = _Rows(T, attn.proj.out_features, x, [])
     first_head = 0 if loops else shared
     if first_head:
@@ -102,3 +112,27 @@ def routed_kernel_forward(attn: HeadAttention, x: torch.Tensor, loops: bool = Fa
     op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, routed_mask,
        gates.view(T, H), shared, first_head, loops, rows)
     return attn.proj_drop(rows.view(B, N, -1))
+
+
+class _HeadsLoops(torch.autograd.Function):
+    """``routed_kernel_loops`` with gradients: the kernel forward (``op``: every head, no bias) and its
+    compiled backward (``moh_routed_heads_backward``: recomputes each head's attention per image, as
+    flash attention does). x: [T, C], wq: the query rows of qkv's weight [H*d, C] (bq their bias or None),
+    wo: proj's weight [Co, H*d], k/v: [B, Hkv, N, d], routed_mask: [E, T] bool, gates: [T, H] ->
+    [T, Co]. The selection gets no gradient; the gates carry the router's."""
+
+    @staticmethod
+    def forward(ctx, op, x, wq, bq, wo, k, v, routed_mask, gates, shared):  # noqa: D102
+        out = x.new_zeros(x.shape[0], wo.shape[0])
+        op(x, wq, bq, wo, k, v, routed_mask, gates, shared, 0, True, out)
+        ctx.save_for_backward(x, wq, bq, wo, k, v, routed_mask, gates)
+        ctx.shared = shared
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, wq, bq, wo, k, v, routed_mask, gates = ctx.saved_tensors
+        dx, dwq, dbq, dwo, dk, dv, dgates = torch.ops.visattn.moh_routed_heads_backward(
+            grad.contiguous(), x, wq, bq, wo, k, v, routed_mask, gates, ctx.shared
+        )
+        return None, dx, dwq, dbq if bq is not None else None, dwo, dk, dv, None, dgates, None

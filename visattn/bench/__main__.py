@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from visattn.attention import list_attentions
+from visattn.attention.moh import MOH_IMPLS
 from visattn.utils.allocator import tune_glibc_malloc
 from visattn.utils.checks import int_at_least
 from visattn.utils.machine import describe_machine, machine_line
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     study.add_argument("--memory", dest="memory", action="store_true", help="measure peak memory too")
     study.add_argument("--compare-kernels", action="store_true",
                        help="also time each cell with visattn.kernels off ('<cell> pytorch' rows, same rounds)")
+    study.add_argument("--moh-impl", choices=MOH_IMPLS, default=None,
+                       help="also time each cell with its MoH layers' impl set to this, where they have it "
+                            "('<cell> <impl>' rows, same rounds; e.g. sparse or routed_kernel_loops to train on it)")
     _common(study)
     study.set_defaults(dtypes=["fp32"], memory=False)
     loop = sub.add_parser("loop", help="the engine's training step vs a bare PyTorch loop, per task (overhead)")
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.mode == "study":
         rows = run_study_bench(args.tasks, args.cells, args.batch, args.dtypes, args.warmup, args.repeats,
                                args.train, args.memory, clock=args.clock, profile=args.profile, device=device,
-                               compare_kernels=args.compare_kernels)
+                               compare_kernels=args.compare_kernels, moh_impl=args.moh_impl)
         table = markdown_table(rows, "preset")
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]

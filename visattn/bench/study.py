@@ -65,6 +65,16 @@ def study_inputs(task: str, cfg: dict[str, Any], batch: int, model: nn.Module) -
     return x, torch.randint(0, steps, (batch,)), torch.randint(0, int(data["num_classes"]), (batch,))
 
 
+def set_moh_impl(model: nn.Module, impl: str) -> int:
+    """Set ``impl`` on every MoH layer of ``model`` that can run it (``dense``, ``sparse`` and ``auto``
+    always; a path name where the layer has it); the number of layers set."""
+    layers = [m for m in model.modules() if hasattr(m, "paths") and hasattr(m, "fixed_path")]
+    chosen = [m for m in layers if impl in ("auto", "dense", "sparse") or impl in m.paths]
+    for layer in chosen:
+        layer.impl = impl
+    return len(chosen)
+
+
 def build_study_workload(task: str, cell: str, batch: int, profile: str = "full", seed: int = 0) -> Workload:
     """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images and the AdamW
     its trainer builds."""
@@ -95,11 +105,14 @@ def run_study_bench(
     profile: str = "full",
     device: torch.device | str = "cpu",
     compare_kernels: bool = False,
+    moh_impl: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
     ``train_images_per_s`` and ``paths`` (per attention layer, the path its inference took); the
     first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each other cell also
-    as ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds."""
+    as ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds.
+    ``moh_impl``: each other cell also as ``<cell> <moh_impl>``, every MoH layer that has that path set
+    to it (in training too: ``impl=auto`` trains on the masked dense path)."""
     from visattn.attention import impl_choices
 
     rows: list[dict[str, Any]] = []
@@ -108,11 +121,15 @@ def run_study_bench(
     def build(task: str, cell: str, batch: int, profile: str, label: str) -> Workload:
         built[task, label] = build_study_workload(task, cell, batch, profile)
         built[task, label].use_kernels = not label.endswith(" pytorch")
+        if moh_impl is not None and label.endswith(f" {moh_impl}"):
+            set_moh_impl(built[task, label].module, moh_impl)
         return built[task, label]
 
     labels = [(c, c) for c in cells]
     if compare_kernels:
         labels += [(f"{c} pytorch", c) for c in cells[1:]]
+    if moh_impl is not None:
+        labels += [(f"{c} {moh_impl}", c) for c in cells[1:]]
     for task in tasks:
         cases = {label: (AttentionCase(label, cell), (task, cell, batch, profile, label)) for label, cell in labels}
         measured = measure_cases(cases, build, dtypes, warmup, repeats, train, memory, reference=cells[0], clock=clock,

@@ -365,6 +365,136 @@ void heads_loops(const Heads<float>& p) {
   });
 }
 
+// [rows, cols] (row stride ld) -> [cols, rows] contiguous in `out` (a small_gemm `a` operand).
+template <typename T>
+void transpose_into(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vector<T>& out) {
+  out.resize(rows * cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = src[i * ld + j];
+}
+
+// The gradients of heads_loops (every head, first_head = 0, no dropout), recomputing each head's
+// queries and attention per image as flash attention's backward does. Image-owned gradients (x's rows,
+// keys, values, gates) are written by the thread that owns the image; the weight gradients are summed
+// in one buffer per thread, then added up.
+void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* dx, float* dwq, float* dbq,
+                          float* dwo, float* dk, float* dv, float* dgates) {
+  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co, H = p.H, Hkv = p.Hkv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const int64_t dp = padded(d), Cp = padded(C), Np = padded(N);
+  std::vector<float> wq_t(H * C * dp, 0.f), wq_rows(H * d * Cp, 0.f), wo_rows(H * Co * dp, 0.f);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < d; ++r) {
+      for (int64_t c = 0; c < C; ++c) {
+        wq_t[(h * C + c) * dp + r] = p.wq[(h * d + r) * C + c];  // W_q[h]^T [C, d]
+        wq_rows[(h * d + r) * Cp + c] = p.wq[(h * d + r) * C + c];  // W_q[h] [d, C]
+      }
+      for (int64_t c = 0; c < Co; ++c) wo_rows[(h * Co + c) * dp + r] = p.wo[c * p.ldwo + h * d + r];  // W_O[:, h] [Co, d]
+    }
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<float>> dwq_t(threads), dbq_t(threads), dwo_t(threads);  // per thread: [H*d, C], [H*d], [H][Co][d]
+
+  at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
+    const int tid = at::get_thread_num();
+    auto& dwq_acc = dwq_t[tid];
+    auto& dbq_acc = dbq_t[tid];
+    auto& dwo_acc = dwo_t[tid];
+    dwq_acc.assign(H * d * C, 0.f);
+    dbq_acc.assign(H * d, 0.f);
+    dwo_acc.assign(H * Co * d, 0.f);
+    std::vector<int64_t> rows;
+    std::vector<float> k_t, v_p, k_p, v_t, xg, q, s, o, gz, z_p, do_p, q_p, dprobs, dq, tr, g_t;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* x_rows = p.x + b * N * C;
+      const float* g_rows = grad_out + b * N * Co;
+      transpose_into(g_rows, N, Co, Co, g_t);  // the image's output gradient, transposed: [Co, N]
+      int64_t kv_loaded = -1;
+      for (int64_t h = 0; h < H; ++h) {
+        chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
+        const int64_t m = static_cast<int64_t>(rows.size());
+        if (m == 0) continue;
+        const int64_t* index = m < N ? rows.data() : nullptr;
+        const int64_t kvh = h / p.group;
+        if (kv_loaded != kvh) {
+          transpose_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_t);    // K^T [d, Np]
+          copy_padded(p.values(b, kvh), N, d, p.v_stride[2], v_p);       // V [N, dp]
+          copy_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_p);         // K [N, dp]
+          transpose_padded(p.values(b, kvh), N, d, p.v_stride[2], v_t);  // V^T [d, Np]
+          kv_loaded = kvh;
+        }
+        // recompute: q, probabilities, the head's output
+        q.resize(m * d);
+        small_gemm(m, d, C, 1.f, x_rows, C, index, &wq_t[h * C * dp], dp, q.data(), d, nullptr, false);
+        if (p.bq)
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t c = 0; c < d; ++c) q[i * d + c] += p.bq[h * d + c];
+        s.resize(m * N);
+        small_gemm(m, N, d, scale, q.data(), d, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
+        for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
+        o.resize(m * d);
+        small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, o.data(), d, nullptr, false);
+        // through the output projection and the gate
+        gz.resize(m * d);
+        small_gemm(m, d, Co, 1.f, g_rows, Co, index, &wo_rows[h * Co * dp], dp, gz.data(), d, nullptr, false);
+        z_p.assign(m * dp, 0.f);
+        do_p.assign(m * dp, 0.f);
+        for (int64_t i = 0; i < m; ++i) {
+          const int64_t n = rows[i];
+          const float g = p.gate(b, n, h);
+          float dg = 0.f;
+          for (int64_t c = 0; c < d; ++c) {
+            dg += gz[i * d + c] * o[i * d + c];
+            z_p[i * dp + c] = g * o[i * d + c];
+            do_p[i * dp + c] = g * gz[i * d + c];
+          }
+          dgates[(b * N + n) * H + h] = dg;
+        }
+        tr.resize(Co * m);  // the chosen tokens' output gradients, transposed: [Co, m]
+        for (int64_t c = 0; c < Co; ++c)
+          for (int64_t i = 0; i < m; ++i) tr[c * m + i] = g_t[c * N + rows[i]];
+        small_gemm(Co, d, m, 1.f, tr.data(), m, nullptr, z_p.data(), dp, &dwo_acc[h * Co * d], d, nullptr, true);
+        // attention's backward
+        transpose_into(s.data(), m, N, N, tr);  // P^T [N, m]
+        small_gemm(N, d, m, 1.f, tr.data(), m, nullptr, do_p.data(), dp,
+                   dv + (b * Hkv + kvh) * N * d, d, nullptr, true);
+        dprobs.resize(m * N);
+        small_gemm(m, N, d, 1.f, do_p.data(), dp, nullptr, v_t.data(), Np, dprobs.data(), N, nullptr, false);
+        for (int64_t i = 0; i < m; ++i) {
+          const float* pr = &s[i * N];
+          float* dpr = &dprobs[i * N];
+          float delta = 0.f;
+          for (int64_t j = 0; j < N; ++j) delta += pr[j] * dpr[j];
+          for (int64_t j = 0; j < N; ++j) dpr[j] = pr[j] * (dpr[j] - delta);  // dS
+        }
+        dq.resize(m * d);
+        small_gemm(m, d, N, scale, dprobs.data(), N, nullptr, k_p.data(), dp, dq.data(), d, nullptr, false);
+        q_p.assign(m * dp, 0.f);
+        for (int64_t i = 0; i < m; ++i) std::memcpy(&q_p[i * dp], &q[i * d], d * sizeof(float));
+        transpose_into(dprobs.data(), m, N, N, tr);  // dS^T [N, m]
+        small_gemm(N, d, m, scale, tr.data(), m, nullptr, q_p.data(), dp, dk + (b * Hkv + kvh) * N * d, d, nullptr,
+                   true);
+        // through the query projection
+        xg.assign(m * Cp, 0.f);
+        for (int64_t i = 0; i < m; ++i) std::memcpy(&xg[i * Cp], x_rows + rows[i] * C, C * sizeof(float));
+        transpose_into(dq.data(), m, d, d, tr);  // dQ^T [d, m]
+        small_gemm(d, C, m, 1.f, tr.data(), m, nullptr, xg.data(), Cp, &dwq_acc[h * d * C], C, nullptr, true);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t c = 0; c < d; ++c) dbq_acc[h * d + c] += dq[i * d + c];
+        small_gemm(m, C, d, 1.f, dq.data(), d, nullptr, &wq_rows[h * d * Cp], Cp, dx + b * N * C, C, index, true);
+      }
+    }
+  });
+  for (int t = 0; t < threads; ++t) {
+    if (dwq_t[t].empty()) continue;  // a thread that got no image
+    for (int64_t i = 0; i < H * d * C; ++i) dwq[i] += dwq_t[t][i];
+    if (dbq)
+      for (int64_t i = 0; i < H * d; ++i) dbq[i] += dbq_t[t][i];
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < Co; ++c)
+        for (int64_t r = 0; r < d; ++r) dwo[c * H * d + h * d + r] += dwo_t[t][(h * Co + c) * d + r];
+  }
+}
+
 // x: [T, C] (T = B * N, contiguous); qkv_w: [>= H * d, C] (the query rows of head h at h * d), qkv_b
 // its bias or None; proj_w: [Co, H * d] (unit column stride); k, v: [B, Hkv, N, d] (unit last stride);
 // routed_mask: [E, T] bool (E = H - S routed heads, head-major); gates: [T, H] float32; first_head: 0
@@ -402,6 +532,34 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   }
 }
 
+// The gradients of moh_routed_heads(..., first_head = 0, small_gemm = true) for grad_out [T, Co]: dx [T, C],
+// d(qkv_w's query rows) [H * d, C], d(their bias) [H * d] (empty without a bias), d(proj_w) [Co, H * d],
+// dk and dv [B, Hkv, N, d] and dgates [T, H] (0 where a head is off). The selection gets none.
+std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                                  const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
+                                                  const at::Tensor& proj_w, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& routed_mask, const at::Tensor& gates, int64_t S) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && grad_out.scalar_type() == at::kFloat,
+              "moh_routed_heads_backward: float32 only");
+  TORCH_CHECK(grad_out.is_contiguous() && grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
+              "moh_routed_heads_backward: grad_out [T, Co] contiguous");
+  const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1);
+  auto out_like = at::empty({x.size(0), grad_out.size(1)}, x.options());  // only for Heads' sizes
+  const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, 0, out_like);
+  auto dx = at::zeros_like(x);
+  auto dwq = at::zeros({H * d, x.size(1)}, x.options());
+  auto dbq = qkv_b.has_value() ? at::zeros({H * d}, x.options()) : at::empty({0}, x.options());
+  auto dwo = at::zeros({grad_out.size(1), H * d}, x.options());
+  auto dk = at::zeros({B, Hkv, N, d}, x.options());
+  auto dv = at::zeros({B, Hkv, N, d}, x.options());
+  auto dgates = at::zeros_like(gates);
+  if (B > 0 && N > 0)
+    heads_loops_backward(heads, grad_out.data_ptr<float>(), dx.data_ptr<float>(), dwq.data_ptr<float>(),
+                         qkv_b.has_value() ? dbq.data_ptr<float>() : nullptr, dwo.data_ptr<float>(),
+                         dk.data_ptr<float>(), dv.data_ptr<float>(), dgates.data_ptr<float>());
+  return {dx, dwq, dbq, dwo, dk, dv, dgates};
+}
+
 // Whether this torch build exports the GEMM moh_routed_heads needs for `dtype` (float32: SGEMM,
 // bfloat16: cblas_gemm_bf16bf16f32).
 bool moh_routed_blas(at::ScalarType dtype) {
@@ -415,6 +573,11 @@ bool moh_routed_blas(at::ScalarType dtype) {
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, "
         "Tensor routed_mask, Tensor gates, int S, int first_head, bool small_gemm, Tensor(a!) out) -> ()");
+  m.def("moh_routed_heads_backward(Tensor grad_out, Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, "
+        "Tensor v, Tensor routed_mask, Tensor gates, int S) -> Tensor[]");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
 }
-TORCH_LIBRARY_IMPL(visattn, CPU, m) { m.impl("moh_routed_heads", &moh_routed_heads); }
+TORCH_LIBRARY_IMPL(visattn, CPU, m) {
+  m.impl("moh_routed_heads", &moh_routed_heads);
+  m.impl("moh_routed_heads_backward", &moh_routed_heads_backward);
+}
