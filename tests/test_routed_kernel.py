@@ -128,10 +128,20 @@ def test_nan_in_one_image_stays_in_that_image(kernel, path):
     assert torch.equal(out.isnan(), ref.isnan()) and out[1].isnan().any() and out[[0, 2]].isfinite().all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])  # 2: images split over threads, weight gradients summed
 @pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS)
-def test_the_loops_gradients_equal_the_masked_dense_path_s(kernel, monkeypatch, heads, shared, topk, kwargs):
+def test_the_loops_gradients_equal_the_masked_dense_path_s(kernel, monkeypatch, heads, shared, topk, kwargs, threads):
     """routed_kernel_loops in training: the kernel's forward and compiled backward, against autograd
     through the masked dense path (every parameter, the input; the load-balancing loss included)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_loops_gradients(kernel, monkeypatch, heads, shared, topk, kwargs)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check_loops_gradients(kernel, monkeypatch, heads, shared, topk, kwargs):
     m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs).train()
     if routed_kernel.routed_kernel_supported(m) is not None:
         return

@@ -391,17 +391,17 @@ void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* d
       }
       for (int64_t c = 0; c < Co; ++c) wo_rows[(h * Co + c) * dp + r] = p.wo[c * p.ldwo + h * d + r];  // W_O[:, h] [Co, d]
     }
+  // per thread (a thread may run several chunks of images): [H*d, C], [H*d], [H][Co][d]
   const int threads = at::get_num_threads();
-  std::vector<std::vector<float>> dwq_t(threads), dbq_t(threads), dwo_t(threads);  // per thread: [H*d, C], [H*d], [H][Co][d]
+  std::vector<std::vector<float>> dwq_t(threads, std::vector<float>(H * d * C, 0.f));
+  std::vector<std::vector<float>> dbq_t(threads, std::vector<float>(H * d, 0.f));
+  std::vector<std::vector<float>> dwo_t(threads, std::vector<float>(H * Co * d, 0.f));
 
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     const int tid = at::get_thread_num();
     auto& dwq_acc = dwq_t[tid];
     auto& dbq_acc = dbq_t[tid];
     auto& dwo_acc = dwo_t[tid];
-    dwq_acc.assign(H * d * C, 0.f);
-    dbq_acc.assign(H * d, 0.f);
-    dwo_acc.assign(H * Co * d, 0.f);
     std::vector<int64_t> rows;
     std::vector<float> k_t, v_p, k_p, v_t, xg, q, s, o, gz, z_p, do_p, q_p, dprobs, dq, tr, g_t;
     for (int64_t b = b0; b < b1; ++b) {
@@ -485,7 +485,6 @@ void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* d
     }
   });
   for (int t = 0; t < threads; ++t) {
-    if (dwq_t[t].empty()) continue;  // a thread that got no image
     for (int64_t i = 0; i < H * d * C; ++i) dwq[i] += dwq_t[t][i];
     if (dbq)
       for (int64_t i = 0; i < H * d; ++i) dbq[i] += dbq_t[t][i];
