@@ -117,8 +117,10 @@ class MoHAttention(HeadAttention):
     ``"sparse"`` skips unselected heads (token choice: projections sparse up to half the routed pool,
     through the compiled kernel where it runs, dense above; head choice: ``head_gather``);
     or name a path of ``PATHS``. Under ``auto`` training
-    takes the masked dense path (a probe cannot time a backward pass without touching gradients); a
-    named path runs in training too (every path is differentiable). An attention mask, ``is_causal``,
+    takes the masked dense path (a probe cannot time a backward pass without touching gradients, and
+    a choice that differed between two processes would change a resumed run's last bits); a named
+    path runs in training too (every path is differentiable; ``routed_kernel_loops``, which
+    ``"sparse"`` takes for small heads, trains on the compiled kernel and its backward). An attention mask, ``is_causal``,
     TorchScript and torch.fx always take the masked dense path.
     """
 

@@ -1,4 +1,4 @@
-"""The compiled paths of token-choice MoH inference (``visattn/kernels/moh_routed_heads.cpp``).
+"""The compiled paths of token-choice MoH (``visattn/kernels/moh_routed_heads.cpp``).
 
 Same work as ``sparse_projections`` (``visattn.attention.sparse``): keys and values for every token, and
 for each head only the queries, attention and output projection of the tokens that chose it. The
@@ -10,11 +10,12 @@ the image's output rows), so the output stays in cache and nothing is padded.
 - ``routed_kernel``: the routed heads in the kernel through MKL's GEMMs; the shared heads in PyTorch
   (one query projection, SDPA and output projection for all tokens). Suits ViT-S / DiT-B sizes.
 - ``routed_kernel_loops`` (float32): every head in the kernel, whose GEMMs are its own loops. At the
-  study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call costs more than its work.
+  study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call costs more than its work. With
+  gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's attention.
 
-``impl="auto"`` times both where they run. Where the kernel cannot run (gradients, dropout in training,
-a device other than the CPU, a dtype it does not serve, no C++ toolchain, ``VISATTN_KERNELS=0``), either
-path is ``sparse_projections``, the same computation in PyTorch; the tests hold them equal. So it is
+``impl="auto"`` times both where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
+dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
+``VISATTN_KERNELS=0``), either path is ``sparse_projections``, the same computation in PyTorch; the tests hold them equal. So it is
 under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
 the executed FLOPs counted for these paths are ``sparse_projections``' (the same pairs; its grouped
 attention also computes the padding rows).
