@@ -68,7 +68,9 @@ def study_inputs(task: str, cfg: dict[str, Any], batch: int, model: nn.Module) -
 def set_moh_impl(model: nn.Module, impl: str) -> int:
     """Set ``impl`` on every MoH layer of ``model`` that can run it (``dense``, ``sparse`` and ``auto``
     always; a path name where the layer has it); the number of layers set."""
-    layers = [m for m in model.modules() if hasattr(m, "paths") and hasattr(m, "fixed_path")]
+    from visattn.attention.moh import MoHAttention
+
+    layers = [m for m in model.modules() if isinstance(m, MoHAttention)]
     chosen = [m for m in layers if impl in ("auto", "dense", "sparse") or impl in m.paths]
     for layer in chosen:
         layer.impl = impl

@@ -304,8 +304,8 @@ void heads_loops(const Heads<float>& p) {
   for (int64_t h = p.first_head; h < H; ++h) {
     for (int64_t r = 0; r < d; ++r)
       for (int64_t c = 0; c < C; ++c) {
-        wq_t[(h * C + c) * dp + r] = p.wq[(h * d + r) * C + c];
-        if (h < S) wq_shared_t[c * Sdp + h * d + r] = p.wq[(h * d + r) * C + c];
+        const float w = p.wq[(h * d + r) * C + c];
+        (h < S ? wq_shared_t[c * Sdp + h * d + r] : wq_t[(h * C + c) * dp + r]) = w;
       }
     for (int64_t c = 0; c < Co; ++c)
       for (int64_t r = 0; r < d; ++r) wo_t[(h * d + r) * Cop + c] = p.wo[c * p.ldwo + h * d + r];
