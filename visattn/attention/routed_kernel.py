@@ -15,8 +15,8 @@ the image's output rows), so the output stays in cache and nothing is padded.
 
 ``impl="auto"`` times both where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
 dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
-``VISATTN_KERNELS=0``), either path is ``sparse_projections``, the same computation in PyTorch; the tests hold them equal. So it is
-under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
+``VISATTN_KERNELS=0``), either path is ``sparse_projections``, the same computation in PyTorch; the
+tests hold them equal. So it is under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
 the executed FLOPs counted for these paths are ``sparse_projections``' (the same pairs; its grouped
 attention also computes the padding rows).
 """

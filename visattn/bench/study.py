@@ -65,16 +65,14 @@ def study_inputs(task: str, cfg: dict[str, Any], batch: int, model: nn.Module) -
     return x, torch.randint(0, steps, (batch,)), torch.randint(0, int(data["num_classes"]), (batch,))
 
 
-def set_moh_impl(model: nn.Module, impl: str) -> int:
+def set_moh_impl(model: nn.Module, impl: str) -> None:
     """Set ``impl`` on every MoH layer of ``model`` that can run it (``dense``, ``sparse`` and ``auto``
-    always; a path name where the layer has it); the number of layers set."""
+    always; a path name where the layer has it)."""
     from visattn.attention.moh import MoHAttention
 
-    layers = [m for m in model.modules() if isinstance(m, MoHAttention)]
-    chosen = [m for m in layers if impl in ("auto", "dense", "sparse") or impl in m.paths]
-    for layer in chosen:
-        layer.impl = impl
-    return len(chosen)
+    for layer in model.modules():
+        if isinstance(layer, MoHAttention) and (impl in ("auto", "dense", "sparse") or impl in layer.paths):
+            layer.impl = impl
 
 
 def build_study_workload(task: str, cell: str, batch: int, profile: str = "full", seed: int = 0) -> Workload:

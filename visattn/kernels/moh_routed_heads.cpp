@@ -543,8 +543,10 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
   TORCH_CHECK(grad_out.is_contiguous() && grad_out.dim() == 2 && grad_out.size(0) == x.size(0),
               "moh_routed_heads_backward: grad_out [T, Co] contiguous");
   const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1);
-  auto out_like = at::empty({x.size(0), grad_out.size(1)}, x.options());  // only for Heads' sizes
-  const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, 0, out_like);
+  // grad_out stands in for the forward's output, which has its shape: the backward reads Heads' sizes and
+  // never writes through Heads::out
+  at::Tensor out_shape = grad_out;
+  const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, 0, out_shape);
   auto dx = at::zeros_like(x);
   auto dwq = at::zeros({H * d, x.size(1)}, x.options());
   auto dbq = qkv_b.has_value() ? at::zeros({H * d}, x.options()) : at::empty({0}, x.options());
