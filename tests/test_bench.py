@@ -192,11 +192,11 @@ def test_a_study_workload_steps_its_optimizer():
 
 def test_study_mode_compares_each_cell_with_the_kernels_off(tmp_path, monkeypatch):
     """'<cell> pytorch' rows: the same model, timed in the same rounds, with visattn.kernels off."""
-    import visattn.attention.routing as routing
+    import visattn.attention.fused_gating as fused_gating
 
     seen = []
-    real = routing.moh_routing_op
-    monkeypatch.setattr(routing, "moh_routing_op", lambda: seen.append(real() is not None) or real())
+    real = fused_gating.moh_routing_op
+    monkeypatch.setattr(fused_gating, "moh_routing_op", lambda: seen.append(real() is not None) or real())
     out = tmp_path / "study.json"
     main(["study", "--tasks", "cls", "--cells", "mha", "moh-50", "--batch", "2", "--warmup", "0", "--repeats", "1",
           "--threads", "1", "--no-train", "--compare-kernels", "--out", str(out)])

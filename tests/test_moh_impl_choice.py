@@ -19,13 +19,13 @@ from visattn.attention.impl_probe import (
 )
 from visattn.attention.moh import PATHS
 from visattn.kernels import moh_routed_heads_op
+from visattn.utils.flops import count_flops
 
 # The compiled paths that run here (float32): their kernel needs a C++ toolchain, and routed_kernel MKL's GEMM
 KERNEL_PATHS_HERE = {
     path for path, blas in (("routed_kernel", True), ("routed_kernel_loops", False))
     if moh_routed_heads_op(torch.float32, blas) is not None
 }
-from visattn.utils.flops import count_flops
 
 
 def _moh(dim=32, heads=8, shared=2, topk=2, routing="token_choice", seed=0, **kwargs):

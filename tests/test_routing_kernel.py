@@ -36,13 +36,13 @@ def test_compiled_gates_equal_the_pytorch_routing(kernel, monkeypatch, heads, sh
     router = layer.router
     x = torch.randn(3, 11, 48) * scale
     calls = []
-    monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr("visattn.attention.fused_gating.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         gates, none = router(x, None, selection=False)
         out = layer(x)
         load = router.head_load
         _, selected = router(x, None, selection=True)  # the skipping paths' form
-        monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: None)  # the PyTorch routing
+        monkeypatch.setattr("visattn.attention.fused_gating.moh_routing_op", lambda: None)  # the PyTorch routing
         ref_gates, _ = router(x, None, selection=False)
         ref_out = layer(x)
         ref_load = router.head_load
@@ -65,19 +65,23 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
     assert gates[0, 1].isnan().all() and gates[1].isfinite().all()
 
     calls = []
-    monkeypatch.setattr("visattn.attention.routing.moh_routing_op", lambda: calls.append(1) or kernel)
+    monkeypatch.setattr("visattn.attention.fused_gating.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
     x = torch.randn(2, 5, 48)
-    layer(x)  # gradients on: the PyTorch routing (autograd)
     with torch.no_grad():
         with flop_counter():  # a dispatch mode sees the PyTorch routing's matmuls
             layer.eval()(x)
-        layer.train()(x)
         head_choice = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, routing="head_choice")
         head_choice.eval()(x)
+        binary = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, gate="binary_ste").eval()
+        binary(x)
+    with flop_counter():  # with gradients too
+        layer.train()(x)
     assert calls == []
     with torch.no_grad():
         layer.eval()(x)
     assert calls == [1]
+    layer.train()(x)  # gradients on: the kernel and its backward (test_fused_gating.py)
+    assert calls == [1, 1]
 
 
 def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeypatch, tmp_path, caplog):

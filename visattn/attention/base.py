@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fused_gating import GatedMerge, gated_merge_runs
 from .routing import HeadRouter
 from .tracing import keeps_stats
 
@@ -201,11 +202,20 @@ class HeadAttention(nn.Module):
         if gates is not None and not torch.is_grad_enabled():
             # without gradients the heads (attend's own output) are gated in place: no new buffer
             heads = heads.mul_(gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype))
+            gates = None
+        if gates is not None and not torch.jit.is_scripting():
+            if gated_merge_runs(heads, gates):  # one pass each way (visattn.attention.fused_gating)
+                return self.finish_merge(x, GatedMerge.apply(heads, gates))
         out = heads.transpose(1, 2).reshape(B, N, H * d)  # explicit width: -1 is ambiguous for B = 0
-        if gates is not None and torch.is_grad_enabled():
+        if gates is not None:
             # gates repeated over each head's width: a product of equal shapes and its backward run 2-3x
             # faster on CPU than one broadcast over a last dimension of d (2-3% of a study layer's step)
             out = out * gates.to(out.dtype).unsqueeze(-1).expand(B, N, H, d).reshape(B, N, H * d)
+        return self.finish_merge(x, out)
+
+    def finish_merge(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The merged heads out: [B, N, H * d] through the head norm, output gate and projection
+        (x: [B, N, C], the layer's input) -> [B, N, dim_out]."""
         out = self.norm(out)
         gate = self.gate
         if gate is not None:
@@ -240,9 +250,8 @@ class HeadAttention(nn.Module):
         router = self.router
         assert router is not None
         B, N, C = x.shape
-        extra = router.stacked_weight(self.router_columns)
-        assert extra is not None
-        weight = torch.cat([self.qkv.weight, extra], 0)
+        weight = router.stacked_weight(self.router_columns, above=self.qkv.weight)
+        assert weight is not None
         bias = self.qkv.bias
         if bias is not None:
             bias = torch.cat([bias, bias.new_zeros(self.router_columns)])
@@ -254,7 +263,7 @@ class HeadAttention(nn.Module):
         q = q.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        logits = logits.reshape(B * N, rows).t().float().contiguous()
+        logits = logits.reshape(B * N, rows).t().float()  # a strided view: the routing kernel reads it in place
         return self.q_norm(q), self.k_norm(k), v, logits
 
     def route(

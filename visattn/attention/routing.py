@@ -31,10 +31,8 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from visattn.kernels import moh_routing_op
-
+from .fused_gating import RoutedGates, eager_cpu_kernels
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -187,11 +185,14 @@ class HeadRouter(nn.Module):
             f"router={self.router_kind}, gate={self.gate_mode}, two_stage={self.two_stage}, routing={self.routing}"
         )
 
-    def stacked_weight(self, rows: int = 0) -> torch.Tensor | None:
+    def stacked_weight(self, rows: int = 0, above: torch.Tensor | None = None) -> torch.Tensor | None:
         """The linear routers' weights stacked [shared; routed; mix] ([logit_rows, C]), zero rows
-        appended up to ``rows``; None without a linear router. Concatenated per call (a few hundred
-        values), so parameters, state_dict and optimiser state stay per router."""
+        appended up to ``rows``, and ``above`` ([M, C]) stacked on top when given (one concatenation);
+        None without a linear router. Concatenated per call (a few hundred values), so parameters,
+        state_dict and optimiser state stay per router."""
         weights: list[torch.Tensor] = []
+        if above is not None:
+            weights.append(above)
         shared = self.shared
         if shared is not None:
             weights.append(shared.weight)
@@ -201,10 +202,10 @@ class HeadRouter(nn.Module):
         mix = self.mix
         if mix is not None:
             weights.append(mix.weight)
-        if len(weights) == 0:
+        if len(weights) == (0 if above is None else 1):
             return None
         if rows > self.logit_rows:
-            weights.append(weights[0].new_zeros((rows - self.logit_rows, weights[0].shape[1])))
+            weights.append(weights[-1].new_zeros((rows - self.logit_rows, weights[-1].shape[1])))
         return weights[0] if len(weights) == 1 else torch.cat(weights, 0)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -248,8 +249,7 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         T = B * N
         S, E, k = self.shared_heads, self.pool, self.routed_topk
-        if logits is None:
-            logits = self._logits(x)
+        logits = self._logits(x) if logits is None else logits.contiguous()
         binary = self.gate_mode == "binary_ste"
         parts: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []  # the routed pool's selection as 0/1 floats [E, T]
@@ -312,25 +312,23 @@ class HeadRouter(nn.Module):
     def _compiled_gates(
         self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``forward``'s result from the compiled kernel (``visattn.kernels``), or None where the
-        PyTorch code below runs: gradients, training, head choice, binary gates, the l2norm router, a
-        dense layer, a device other than the CPU, torch.compile / fx tracing (they trace the PyTorch
-        code), a Python dispatch mode (e.g. the FLOP counter, which then sees the routing's matmuls as in
-        training), or no kernel on this machine."""
-        if (self.training or torch.is_grad_enabled() or self.routing != "token_choice"
-                or self.gate_mode != "soft" or self.routed is None or x.device.type != "cpu"
-                or type(x) is not torch.Tensor or torch.compiler.is_compiling()
-                or _get_current_dispatch_mode() is not None):
-            return None
-        op = moh_routing_op()
-        if op is None:
+        """``forward``'s result from the compiled kernel (``visattn.kernels``; with gradients through
+        ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
+        below runs: head choice, binary gates, the l2norm router, a dense layer, or where
+        ``eager_cpu_kernels`` says no (another device, torch.compile / fx tracing, a Python dispatch
+        mode such as the FLOP counter, no kernel on this machine)."""
+        if (self.routing != "token_choice" or self.gate_mode != "soft" or self.routed is None
+                or not eager_cpu_kernels(x)):
             return None
         if logits is None:
             logits = self._logits(x)
         assert logits is not None
         B, N, _ = x.shape
         S, E = self.shared_heads, self.pool
-        gates, keep = op(logits, S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+        budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+        gates, keep, aux = RoutedGates.apply(logits, budget, self.training)
+        if self.training:
+            self.aux_loss = aux
         # [B, H]: the shared heads' rows are 1 (as below)
         self.head_load = F.pad(keep.view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t() if keeps_stats() else None
         if not selection:

@@ -1,7 +1,7 @@
-// MoH token-choice routing in one pass over the router's logits (visattn.attention.routing.HeadRouter,
-// the masked dense path without gradients). Exact to float rounding against the PyTorch formulation:
-// the same softmaxes, top-k (ties to the lower index), renormalisation and two-stage weights; the
-// selection can differ only where two probabilities are within rounding of each other.
+// MoH token-choice routing and gating in one pass each (visattn.attention.routing.HeadRouter and
+// HeadAttention.merge_heads), forward and backward. Exact to float rounding against the PyTorch
+// formulation: the same softmaxes, top-k (ties to the lower index), renormalisation and two-stage
+// weights; the selection can differ only where two probabilities are within rounding of each other.
 // Built on first use by visattn.kernels (torch.utils.cpp_extension); the PyTorch path is the fallback.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,35 +19,54 @@ namespace {
 
 constexpr int64_t BLOCK = 256;  // tokens per pass: every row of a block stays in L1
 
+// logits[i, t0 .. t0 + n) for every row i -> dst [R, BLOCK]; the logits in any layout: head-major [R, T], or
+// the router's columns of the attention's fused projection read in place ([T, R] with a row stride).
+void load_rows(const at::Tensor& logits, int64_t t0, int64_t n, float* dst) {
+  const float* L = logits.data_ptr<float>();
+  const int64_t R = logits.size(0), sr = logits.stride(0), st = logits.stride(1);
+  for (int64_t i = 0; i < R; ++i) {
+    const float* src = L + i * sr + t0 * st;
+    float* d = dst + i * BLOCK;
+    if (st == 1) std::copy(src, src + n, d);
+    else for (int64_t t = 0; t < n; ++t) d[t] = src[t * st];
+  }
+}
 
 }  // namespace
 
 // logits: [R, T] float32 head-major (rows: S shared when shared_routed, E routed, then 2 mix rows when
-// two_stage) -> (gates [T, S + E] float32 token-major, keep [E, T] float32: 1 where a routed head is chosen).
-std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_t S, int64_t E, int64_t k, bool two_stage,
-                     bool shared_routed, double eps_in) {
+// two_stage) -> (gates [T, S + E] float32 token-major, keep [E, T] float32: 1 where a routed head is chosen,
+// and with `with_aux` the load-balancing loss's terms: load [E], the share of tokens that chose each routed
+// head, and the loss E * sum_e load_e * mean_t P[e, t] (0-dim); else an empty tensor and 0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_t S, int64_t E, int64_t k,
+                                                         bool two_stage, bool shared_routed, double eps_in,
+                                                         bool with_aux) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "moh_gates: logits must be [R, T] float32");
-  auto logits = logits_in.contiguous();
+  const auto& logits = logits_in;  // any strides (load_rows)
   const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
   TORCH_CHECK(E >= 1 && 1 <= k && k <= E && S >= 0 && R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0),
               "moh_gates: logits rows do not match the budget");
   auto gates = at::empty({T, H}, logits.options());
   auto keep_out = at::empty({E, T}, logits.options());
-  const float* L = logits.data_ptr<float>();
+  const int64_t blocks = (T + BLOCK - 1) / BLOCK;
+  // per block: sum_t keep[e, t], then sum_t P[e, t] (summed in block order below: the same on any thread count)
+  std::vector<double> partial(with_aux ? blocks * 2 * E : 0);
   float* G = gates.data_ptr<float>();
   float* K = keep_out.data_ptr<float>();
   const float eps = static_cast<float>(eps_in);
   const int64_t routed0 = shared_routed ? S : 0;
   at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf((H + 4) * BLOCK);
+    std::vector<float> buf((H + R + 4) * BLOCK);
     float* a0 = buf.data();
     float* a1 = a0 + BLOCK;
     float* mx = a1 + BLOCK;
     float* sum = mx + BLOCK;
     float* g = sum + BLOCK;  // [H, BLOCK]
+    float* lb = g + H * BLOCK;  // [R, BLOCK]: the block's logits
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * BLOCK, n = std::min(BLOCK, T - t0);
-      auto row = [&](int64_t i) { return L + i * T + t0; };
+      load_rows(logits, t0, n, lb);
+      auto row = [&](int64_t i) { return lb + i * BLOCK; };
       if (two_stage) {
         const float *m0 = row(R - 2), *m1 = row(R - 1);
         for (int64_t t = 0; t < n; ++t) {
@@ -96,6 +115,11 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
         for (int64_t i = 0; i < E; ++i) {
           float* pi = p + i * BLOCK;
           for (int64_t t = 0; t < n; ++t) pi[t] = pi[t] / sum[t];
+          if (with_aux) {
+            float acc = 0.0f;
+            for (int64_t t = 0; t < n; ++t) acc += pi[t];
+            partial[(blk * 2 + 1) * E + i] = acc;
+          }
         }
         if (k < E) {  // rank = heads that beat head i (larger, or equal at a lower index); keep rank < k
           float* rank = mx;  // the max is no longer needed
@@ -124,6 +148,13 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
             for (int64_t t = 0; t < n; ++t) sum[t] += p[i * BLOCK + t];
           }
         }
+        if (with_aux)
+          for (int64_t i = 0; i < E; ++i) {
+            const float* ki = K + i * T + t0;
+            float acc = 0.0f;
+            for (int64_t t = 0; t < n; ++t) acc += ki[t];
+            partial[blk * 2 * E + i] = acc;
+          }
         for (int64_t t = 0; t < n; ++t) sum[t] = std::max(sum[t], eps);
         for (int64_t i = 0; i < E; ++i) {
           float* pi = p + i * BLOCK;
@@ -138,10 +169,266 @@ std::tuple<at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_
         for (int64_t h = 0; h < H; ++h) out[t * H + h] = g[h * BLOCK + t];
     }
   });
-  return {gates, keep_out};
+  auto load = at::empty({with_aux ? E : 0}, logits.options());
+  auto aux = at::zeros({}, logits.options());
+  if (with_aux && T > 0) {
+    double loss = 0.0;
+    for (int64_t i = 0; i < E; ++i) {
+      double kept = 0.0, prob = 0.0;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        kept += partial[blk * 2 * E + i];
+        prob += partial[(blk * 2 + 1) * E + i];
+      }
+      load.data_ptr<float>()[i] = static_cast<float>(kept / T);
+      loss += (kept / T) * (prob / T);
+    }
+    aux.fill_(loss * E);
+  }
+  return {gates, keep_out, load, aux};
+}
+
+// The gradient of moh_gates' gates (and of the load-balancing loss) with respect to its logits.
+// logits, keep: as moh_gates took and returned them; grad_gates: [T, S + E]; aux_grad: [E] added to each
+// token's gradient of the pool's probabilities (d loss / d P[e, t], the same for every token), or empty.
+// -> grad_logits [R, T], laid out as the logits are (token-major when they were, so that the projection's
+// backward reads it contiguously). The softmaxes are recomputed per token; the selection is moh_gates' own.
+at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& keep_in, const at::Tensor& grad_in,
+                              const at::Tensor& aux_grad_in, int64_t S, int64_t E, int64_t k, bool two_stage,
+                              bool shared_routed, double eps_in) {
+  const auto& logits = logits_in;  // any strides (load_rows)
+  auto keep = keep_in.contiguous();
+  auto grad = grad_in.contiguous();
+  auto aux_grad = aux_grad_in.contiguous();
+  const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && keep.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
+              "moh_gates_backward: float32 tensors expected");
+  TORCH_CHECK(E >= 1 && R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0) && keep.size(0) == E &&
+                  keep.size(1) == T && grad.size(0) == T && grad.size(1) == H,
+              "moh_gates_backward: shapes do not match the budget");
+  TORCH_CHECK(aux_grad.numel() == 0 || aux_grad.numel() == E, "moh_gates_backward: aux_grad must be [E] or empty");
+  const bool token_major = logits.stride(0) == 1 && R > 1;
+  auto out = token_major ? at::empty({T, R}, logits.options()).t() : at::empty({R, T}, logits.options());
+  const int64_t osr = out.stride(0), ost = out.stride(1);
+  const float* K = keep.data_ptr<float>();
+  const float* dG = grad.data_ptr<float>();
+  const float* W = aux_grad.numel() ? aux_grad.data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(eps_in), kf = static_cast<float>(k), Sf = static_cast<float>(S);
+  const int64_t routed0 = shared_routed ? S : 0;
+  at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf((2 * H + 2 * R + 7) * BLOCK);
+    float* s0 = buf.data();     // two-stage softmax
+    float* s1 = s0 + BLOCK;
+    float* da0 = s1 + BLOCK;    // d loss / d alpha
+    float* da1 = da0 + BLOCK;
+    float* mx = da1 + BLOCK;
+    float* sum = mx + BLOCK;
+    float* dot = sum + BLOCK;
+    float* p = dot + BLOCK;     // [H, BLOCK] probabilities (shared rows, then the pool's)
+    float* dp = p + H * BLOCK;  // [H, BLOCK] their gradients
+    float* lb = dp + H * BLOCK; // [R, BLOCK] the block's logits
+    float* dL = lb + R * BLOCK; // [R, BLOCK] their gradients, stored to `out` at the end of the block
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t t0 = blk * BLOCK, n = std::min(BLOCK, T - t0);
+      load_rows(logits, t0, n, lb);
+      auto row = [&](int64_t i) { return lb + i * BLOCK; };
+      auto g = [&](int64_t t, int64_t h) { return dG[(t0 + t) * H + h]; };
+      auto softmax = [&](int64_t first, int64_t rows, float* pr) {  // rows of L from `first` -> pr [rows, BLOCK]
+        std::copy(row(first), row(first) + n, mx);
+        for (int64_t i = 1; i < rows; ++i) {
+          const float* l = row(first + i);
+          for (int64_t t = 0; t < n; ++t) mx[t] = std::max(mx[t], l[t]);
+        }
+        std::fill(sum, sum + n, 0.0f);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* l = row(first + i);
+          float* pi = pr + i * BLOCK;
+          for (int64_t t = 0; t < n; ++t) { pi[t] = visattn::exp_le0(l[t] - mx[t]); sum[t] += pi[t]; }
+        }
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < n; ++t) pr[i * BLOCK + t] = pr[i * BLOCK + t] / sum[t];
+      };
+      auto softmax_backward = [&](int64_t rows, const float* pr, const float* dpr, float* out_rows) {
+        std::fill(dot, dot + n, 0.0f);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t t = 0; t < n; ++t) dot[t] += pr[i * BLOCK + t] * dpr[i * BLOCK + t];
+        for (int64_t i = 0; i < rows; ++i) {
+          float* o = out_rows + i * BLOCK;
+          for (int64_t t = 0; t < n; ++t) o[t] = pr[i * BLOCK + t] * (dpr[i * BLOCK + t] - dot[t]);
+        }
+      };
+      if (two_stage) {
+        const float *m0 = row(R - 2), *m1 = row(R - 1);
+        for (int64_t t = 0; t < n; ++t) {
+          const float m = std::max(m0[t], m1[t]);
+          const float e0 = visattn::exp_le0(m0[t] - m), e1 = visattn::exp_le0(m1[t] - m), s = e0 + e1;
+          s0[t] = e0 / s;
+          s1[t] = e1 / s;
+        }
+      }
+      std::fill(da0, da0 + n, 0.0f);
+      std::fill(da1, da1 + n, 0.0f);
+      if (S > 0 && shared_routed) {  // gates ps_i * S (* 2 s0)
+        softmax(0, S, p);
+        for (int64_t i = 0; i < S; ++i) {
+          const float* pi = p + i * BLOCK;
+          float* di = dp + i * BLOCK;
+          if (two_stage)
+            for (int64_t t = 0; t < n; ++t) {
+              di[t] = g(t, i) * (2.0f * s0[t] * Sf);
+              da0[t] += g(t, i) * pi[t] * Sf;
+            }
+          else
+            for (int64_t t = 0; t < n; ++t) di[t] = g(t, i) * Sf;
+        }
+        softmax_backward(S, p, dp, dL);
+      } else if (S > 0 && two_stage) {  // gates alpha0 = 2 s0
+        for (int64_t i = 0; i < S; ++i)
+          for (int64_t t = 0; t < n; ++t) da0[t] += g(t, i);
+      }
+      // the pool: gates kept_i * c / D with kept = p * keep, D = max(sum kept, eps), c = 2 s1 k (or k)
+      float* pr = p + S * BLOCK;
+      float* dpr = dp + S * BLOCK;
+      softmax(routed0, E, pr);
+      std::fill(sum, sum + n, 0.0f);
+      std::fill(dot, dot + n, 0.0f);  // sum_i grad_i * kept_i
+      for (int64_t i = 0; i < E; ++i) {
+        const float* pi = pr + i * BLOCK;
+        const float* ki = K + i * T + t0;
+        for (int64_t t = 0; t < n; ++t) {
+          const float kept = pi[t] * ki[t];
+          sum[t] += kept;
+          dot[t] += g(t, S + i) * kept;
+        }
+      }
+      for (int64_t i = 0; i < E; ++i) {
+        const float* ki = K + i * T + t0;
+        float* di = dpr + i * BLOCK;
+        const float w = W != nullptr ? W[i] : 0.0f;
+        for (int64_t t = 0; t < n; ++t) {
+          const float D = std::max(sum[t], eps);
+          const float c = two_stage ? 2.0f * s1[t] * kf : kf;
+          // clamp_min passes its gradient where sum >= eps (as torch's clamp_min backward)
+          const float dD = sum[t] >= eps ? -dot[t] * c / (D * D) : 0.0f;
+          di[t] = (g(t, S + i) * c / D + dD) * ki[t] + w;
+        }
+      }
+      if (two_stage)
+        for (int64_t t = 0; t < n; ++t) da1[t] = dot[t] * kf / std::max(sum[t], eps);
+      // softmax backward of the pool (dot reused)
+      std::fill(dot, dot + n, 0.0f);
+      for (int64_t i = 0; i < E; ++i)
+        for (int64_t t = 0; t < n; ++t) dot[t] += pr[i * BLOCK + t] * dpr[i * BLOCK + t];
+      for (int64_t i = 0; i < E; ++i) {
+        float* o = dL + (routed0 + i) * BLOCK;
+        for (int64_t t = 0; t < n; ++t) o[t] = pr[i * BLOCK + t] * (dpr[i * BLOCK + t] - dot[t]);
+      }
+      if (two_stage) {  // alpha = 2 softmax(mix)
+        float *o0 = dL + (R - 2) * BLOCK, *o1 = dL + (R - 1) * BLOCK;
+        for (int64_t t = 0; t < n; ++t) {
+          const float d0 = 2.0f * da0[t], d1 = 2.0f * da1[t], m = s0[t] * d0 + s1[t] * d1;
+          o0[t] = s0[t] * (d0 - m);
+          o1[t] = s1[t] * (d1 - m);
+        }
+      }
+      float* O = out.data_ptr<float>();
+      for (int64_t i = 0; i < R; ++i)
+        for (int64_t t = 0; t < n; ++t) O[i * osr + (t0 + t) * ost] = dL[i * BLOCK + t];
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// One token's merged heads: out[c] = x[c] * g[c / d] over c < H * d (gexp: scratch of H * d floats).
+VISATTN_SIMD_CLONES void gate_row(const float* x, const float* g, int64_t H, int64_t d, float* gexp, float* out) {
+  for (int64_t h = 0; h < H; ++h) std::fill(gexp + h * d, gexp + (h + 1) * d, g[h]);
+  const int64_t C = H * d;
+  for (int64_t c = 0; c < C; ++c) out[c] = x[c] * gexp[c];
+}
+
+// gate_row's gradients for one token: dx[c] = dout[c] * g[c / d], dg[h] = sum_j dout[h d + j] x[h d + j]
+// (scratch: 2 H d floats).
+VISATTN_SIMD_CLONES void gate_row_backward(const float* dout, const float* x, const float* g, int64_t H, int64_t d,
+                                           float* scratch, float* dx, float* dg) {
+  float* gexp = scratch;
+  float* prod = scratch + H * d;
+  for (int64_t h = 0; h < H; ++h) std::fill(gexp + h * d, gexp + (h + 1) * d, g[h]);
+  const int64_t C = H * d;
+  for (int64_t c = 0; c < C; ++c) {
+    dx[c] = dout[c] * gexp[c];
+    prod[c] = dout[c] * x[c];
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < d; ++j) acc += prod[h * d + j];
+    dg[h] = acc;
+  }
+}
+
+void check_merge_args(const at::Tensor& heads, const at::Tensor& gates) {
+  TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat, "moh_gated_merge: heads must be [B, H, N, d] float32");
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3);
+  TORCH_CHECK(heads.transpose(1, 2).is_contiguous(),
+              "moh_gated_merge: heads must be laid out as [B, N, H, d] (attention's output, transposed)");
+  TORCH_CHECK(gates.scalar_type() == at::kFloat && gates.dim() == 3 && gates.size(0) == B && gates.size(1) == N &&
+                  gates.size(2) == H,
+              "moh_gated_merge: gates must be [B, N, H] float32");
+  (void)d;
+}
+
+}  // namespace
+
+// heads: [B, H, N, d] float32 laid out as [B, N, H, d] (SDPA's output) weighted by gates [B, N, H] float32
+// -> [B, N, H * d], the merged heads that go into the output projection (HeadAttention.merge_heads).
+at::Tensor moh_gated_merge(const at::Tensor& heads, const at::Tensor& gates_in) {
+  check_merge_args(heads, gates_in);
+  auto gates = gates_in.contiguous();
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3), C = H * d;
+  auto out = at::empty({B, N, C}, heads.options());
+  const float* X = heads.data_ptr<float>();
+  const float* G = gates.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, B * N, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> gexp(C);
+    for (int64_t r = r0; r < r1; ++r) gate_row(X + r * C, G + r * H, H, d, gexp.data(), O + r * C);
+  });
+  return out;
+}
+
+// moh_gated_merge's backward: grad_out [B, N, H * d] -> (grad_heads [B, H, N, d] laid out as [B, N, H, d],
+// as attention's backward takes it, grad_gates [B, N, H]).
+std::tuple<at::Tensor, at::Tensor> moh_gated_merge_backward(const at::Tensor& grad_in, const at::Tensor& heads,
+                                                            const at::Tensor& gates_in) {
+  check_merge_args(heads, gates_in);
+  auto grad = grad_in.contiguous();
+  auto gates = gates_in.contiguous();
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3), C = H * d;
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.numel() == B * N * C, "moh_gated_merge_backward: grad_out must be [B, N, H * d] float32");
+  auto grad_heads = at::empty({B, N, H, d}, heads.options());
+  auto grad_gates = at::empty({B, N, H}, gates.options());
+  const float* dO = grad.data_ptr<float>();
+  const float* X = heads.data_ptr<float>();
+  const float* G = gates.data_ptr<float>();
+  float* dX = grad_heads.data_ptr<float>();
+  float* dG = grad_gates.data_ptr<float>();
+  at::parallel_for(0, B * N, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scratch(2 * C);
+    for (int64_t r = r0; r < r1; ++r)
+      gate_row_backward(dO + r * C, X + r * C, G + r * H, H, d, scratch.data(), dX + r * C, dG + r * H);
+  });
+  return {grad_heads.permute({0, 2, 1, 3}), grad_gates};
 }
 
 TORCH_LIBRARY(visattn, m) {
-  m.def("moh_gates(Tensor logits, int S, int E, int k, bool two_stage, bool shared_routed, float eps) -> (Tensor, Tensor)");
+  m.def("moh_gates(Tensor logits, int S, int E, int k, bool two_stage, bool shared_routed, float eps, bool with_aux) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moh_gates_backward(Tensor logits, Tensor keep, Tensor grad_gates, Tensor aux_grad, int S, int E, int k, bool two_stage, bool shared_routed, float eps) -> Tensor");
+  m.def("moh_gated_merge(Tensor heads, Tensor gates) -> Tensor");
+  m.def("moh_gated_merge_backward(Tensor grad_out, Tensor heads, Tensor gates) -> (Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(visattn, CPU, m) { m.impl("moh_gates", &moh_gates); }
+TORCH_LIBRARY_IMPL(visattn, CPU, m) {
+  m.impl("moh_gates", &moh_gates);
+  m.impl("moh_gates_backward", &moh_gates_backward);
+  m.impl("moh_gated_merge", &moh_gated_merge);
+  m.impl("moh_gated_merge_backward", &moh_gated_merge_backward);
+}

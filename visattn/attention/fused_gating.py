@@ -1,0 +1,84 @@
+"""MoH's routing and head gating on the compiled kernels with gradients (``visattn/kernels/moh_routing.cpp``).
+
+In training, the PyTorch routing is about 25 small operations forward and as many backward, and the
+gated head merge a repeat, a product and a reduction each way. At the study's sizes they cost a
+third of a MoH layer's training step over MHA's (docs/benchmarks.md). Here each is one kernel call
+forward and one backward, wrapped in an autograd Function. Where the kernels do not run
+(``eager_cpu_kernels``), callers run the PyTorch code, and the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from visattn.kernels import moh_routing_op
+
+
+def eager_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels may replace PyTorch code for x: an eager CPU tensor, outside
+    ``torch.compile`` / fx tracing (they trace the PyTorch code) and Python dispatch modes (e.g. the
+    FLOP counter, which should see the operations), with the kernels built and switched on."""
+    return (
+        type(x) is torch.Tensor  # first: an fx Proxy's attributes cannot be tested
+        and x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and moh_routing_op() is not None
+    )
+
+
+class RoutedGates(torch.autograd.Function):
+    """``torch.ops.visattn.moh_gates`` with its backward.
+
+    forward(logits [R, T] float32, budget (S, E, k, two_stage, shared_routed, eps), with_aux) ->
+    (gates [T, S + E], keep [E, T] (not differentiable), load-balancing loss (0 without ``with_aux``)).
+    The loss is the released code's ``E * sum_e f_e * P_e`` (``HeadRouter.forward``): f_e the share of
+    tokens that chose head e (a constant), P_e its mean probability.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, budget: tuple, with_aux: bool):
+        gates, keep, load, aux = moh_routing_op()(logits, *budget, with_aux)
+        ctx.save_for_backward(logits, keep, load)
+        ctx.budget, ctx.with_aux = budget, with_aux
+        ctx.mark_non_differentiable(keep)
+        return gates, keep, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_gates, _grad_keep, grad_aux):
+        logits, keep, load = ctx.saved_tensors
+        S, E, k, two_stage, shared_routed, eps = ctx.budget
+        if grad_gates is None:
+            grad_gates = logits.new_zeros((logits.shape[1], S + E))
+        # d aux / d P[e, t] = E * f_e / T for every token
+        aux_grad = load * (grad_aux * E / logits.shape[1]) if ctx.with_aux and grad_aux is not None else logits.new_empty(0)
+        grad = torch.ops.visattn.moh_gates_backward(logits, keep, grad_gates, aux_grad, S, E, k, two_stage,
+                                                    shared_routed, eps)
+        return grad, None, None
+
+
+class GatedMerge(torch.autograd.Function):
+    """``torch.ops.visattn.moh_gated_merge`` with its backward: heads [B, H, N, d] float32 (laid out as
+    [B, N, H, d]) weighted by gates [B, N, H] float32 -> [B, N, H * d]."""
+
+    @staticmethod
+    def forward(ctx, heads: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(heads, gates)  # heads: attention's output, which its backward keeps anyway
+        return torch.ops.visattn.moh_gated_merge(heads, gates)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        heads, gates = ctx.saved_tensors
+        return tuple(torch.ops.visattn.moh_gated_merge_backward(grad_out, heads, gates))
+
+
+def gated_merge_runs(heads: torch.Tensor, gates: torch.Tensor) -> bool:
+    """Whether ``GatedMerge`` serves these tensors: float32 on the CPU, heads [B, H, N, d] laid out as
+    [B, N, H, d] (SDPA's output; the merge then reads each token's heads as one row)."""
+    return (
+        eager_cpu_kernels(heads) and type(gates) is torch.Tensor
+        and heads.dtype == torch.float32 and gates.dtype == torch.float32 and heads.transpose(1, 2).is_contiguous()
+    )
