@@ -10,7 +10,7 @@ from visattn.attention.fused_gating import GatedMerge, RoutedGates, gated_merge_
 
 BUDGETS = [  # (heads, shared, topk, two_stage)
     (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (4, 2, 1, True),
-    (12, 0, 11, False), (8, 4, 4, True),
+    (12, 0, 11, False), (8, 4, 4, True), (8, 8, 0, False),  # the last: dense, soft weights over every head
 ]
 
 
@@ -27,7 +27,8 @@ def _step(layer, x, weights, aux_weight=0.37, kernels_on=True):
     x = x.detach().requires_grad_()
     with torch.enable_grad() if kernels_on else kernels.disabled():
         out = layer(x)
-        aux = layer.router.aux_loss
+        aux = layer.router.aux_loss  # None for a dense layer (no pool to balance)
+        aux = torch.zeros(()) if aux is None else aux
         ((out * weights).sum() + aux_weight * aux).backward()
     grads = {"x": x.grad}
     grads.update({name: p.grad for name, p in layer.named_parameters() if p.grad is not None})

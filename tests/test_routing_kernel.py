@@ -11,6 +11,7 @@ from visattn.utils.flops import flop_counter
 
 BUDGETS = [  # (heads, shared, topk, two_stage)
     (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (4, 2, 1, True), (12, 0, 11, False),
+    (8, 8, 0, False),  # dense: soft weights over every head
 ]
 
 

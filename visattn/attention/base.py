@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fused_gating import GatedMerge, gated_merge_runs
+from .fused_gating import GatedMerge, GatedProjection, gated_merge_runs, gated_projection_runs
 from .routing import HeadRouter
 from .tracing import keeps_stats
 
@@ -199,6 +199,12 @@ class HeadAttention(nn.Module):
         """``merge_heads`` for heads of equal width (callable by variants that override it).
         heads: [B, H, N, d] weighted by gates [B, N, H] -> output [B, N, dim_out]."""
         B, H, N, d = heads.shape
+        if gates is not None and not torch.jit.is_scripting():
+            proj = self.proj
+            if (type(proj) is nn.Linear and type(self.norm) is nn.Identity and self.gate is None
+                    and gated_projection_runs(heads, gates, proj.weight)):
+                # merge and projection per block of tokens (visattn.attention.fused_gating)
+                return self.proj_drop(GatedProjection.apply(heads, gates, proj.weight, proj.bias))
         if gates is not None and not torch.is_grad_enabled():
             # without gradients the heads (attend's own output) are gated in place: no new buffer
             heads = heads.mul_(gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from visattn.kernels import moh_routing_op
+from visattn.kernels import has_sgemm, moh_routing_op
 
 
 def eager_cpu_kernels(x: torch.Tensor) -> bool:
@@ -81,4 +81,35 @@ def gated_merge_runs(heads: torch.Tensor, gates: torch.Tensor) -> bool:
     return (
         eager_cpu_kernels(heads) and type(gates) is torch.Tensor
         and heads.dtype == torch.float32 and gates.dtype == torch.float32 and heads.transpose(1, 2).is_contiguous()
+    )
+
+
+class GatedProjection(torch.autograd.Function):
+    """``torch.ops.visattn.moh_gated_proj`` with its backward: the gated merge of heads [B, H, N, d] float32
+    (laid out as [B, N, H, d]) by gates [B, N, H] and the output projection (weight [dim_out, H * d], bias
+    [dim_out] or None) in one pass over blocks of tokens -> [B, N, dim_out]. The merged heads never go to
+    memory whole, either way; at the study's sizes the separate merge cost as much as the projection."""
+
+    @staticmethod
+    def forward(ctx, heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(heads, gates, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.visattn.moh_gated_proj(heads, gates, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        heads, gates, weight = ctx.saved_tensors
+        grad_heads, grad_gates, grad_weight, grad_bias = torch.ops.visattn.moh_gated_proj_backward(
+            grad_out, heads, gates, weight, ctx.has_bias
+        )
+        return grad_heads, grad_gates, grad_weight, grad_bias if ctx.has_bias else None
+
+
+def gated_projection_runs(heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``GatedProjection`` serves these tensors: ``gated_merge_runs``, a float32 contiguous weight,
+    SGEMM in this torch build, and no autocast (which would run the projection in another dtype)."""
+    return (
+        gated_merge_runs(heads, gates) and weight.dtype == torch.float32 and weight.is_contiguous()
+        and not torch.is_autocast_enabled("cpu") and has_sgemm()
     )

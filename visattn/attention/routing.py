@@ -314,11 +314,12 @@ class HeadRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``forward``'s result from the compiled kernel (``visattn.kernels``; with gradients through
         ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
-        below runs: head choice, binary gates, the l2norm router, a dense layer, or where
+        below runs: head choice, binary gates, the l2norm router, a dense layer of one shared head, or where
         ``eager_cpu_kernels`` says no (another device, torch.compile / fx tracing, a Python dispatch
         mode such as the FLOP counter, no kernel on this machine)."""
-        if (self.routing != "token_choice" or self.gate_mode != "soft" or self.routed is None
-                or not eager_cpu_kernels(x)):
+        # a dense layer (routed_topk=0) has no pool: its soft weights need the shared router
+        linear = self.routed is not None or (self.pool == 0 and self.shared is not None)
+        if self.routing != "token_choice" or self.gate_mode != "soft" or not linear or not eager_cpu_kernels(x):
             return None
         if logits is None:
             logits = self._logits(x)
@@ -326,8 +327,9 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         S, E = self.shared_heads, self.pool
         budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-        gates, keep, aux = RoutedGates.apply(logits, budget, self.training)
-        if self.training:
+        balanced = self.training and E > 0  # the load-balancing loss of a routed pool
+        gates, keep, aux = RoutedGates.apply(logits, budget, balanced)
+        if balanced:
             self.aux_loss = aux
         # [B, H]: the shared heads' rows are 1 (as below)
         self.head_load = F.pad(keep.view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t() if keeps_stats() else None

@@ -36,7 +36,7 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("blas.h", "simd.h")]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math.
 CFLAGS = ["-O3", "-fno-trapping-math"]
@@ -82,6 +82,12 @@ def moh_routed_heads_op(dtype: torch.dtype, blas: bool = True) -> Callable | Non
         return torch.ops.visattn.moh_routed_heads if dtype == torch.float32 else None
     ok = dtype in (torch.float32, torch.bfloat16) and _has_blas(dtype)
     return torch.ops.visattn.moh_routed_heads if ok else None
+
+
+def has_sgemm() -> bool:
+    """Whether the kernels that call MKL's SGEMM run here (``moh_gated_proj``, ``routed_kernel``): the
+    kernels built and on, and the running torch build exports SGEMM."""
+    return not _OFF.get() and _load() and _has_blas(torch.float32)
 
 
 @functools.cache

@@ -17,6 +17,7 @@
 
 #include <dlfcn.h>
 
+#include "blas.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -28,15 +29,10 @@
 
 namespace {
 
-using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                         const int*, const float*, const int*, const float*, float*, const int*);
+using visattn::sgemm_fn;
 using bf16gemm_t = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
                             float*, int);
 
-sgemm_t sgemm_fn() {
-  static const sgemm_t fn = reinterpret_cast<sgemm_t>(dlsym(RTLD_DEFAULT, "sgemm_"));
-  return fn;
-}
 bf16gemm_t bf16gemm_fn() {
   static const bf16gemm_t fn = reinterpret_cast<bf16gemm_t>(dlsym(RTLD_DEFAULT, "cblas_gemm_bf16bf16f32"));
   return fn;
@@ -47,9 +43,7 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // Row-major c[m, n] (float32, row stride ldc) = alpha * a[m, kk] @ (b_t ? b^T (b: [n, kk]) : b (b: [kk, n])).
 void gemm(bool b_t, int m, int n, int kk, float alpha, const float* a, int lda, const float* b, int ldb, float* c,
           int ldc) {
-  const float beta = 0.f;
-  // column-major BLAS: c^T = op(b)^T-ish, so the operands swap
-  sgemm_fn()(b_t ? "T" : "N", "N", &n, &m, &kk, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  visattn::sgemm(false, b_t, m, n, kk, alpha, a, lda, b, ldb, 0.f, c, ldc);
 }
 void gemm(bool b_t, int m, int n, int kk, float alpha, const c10::BFloat16* a, int lda, const c10::BFloat16* b,
           int ldb, float* c, int ldc) {

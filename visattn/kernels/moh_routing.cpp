@@ -7,11 +7,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "blas.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -32,30 +34,39 @@ void load_rows(const at::Tensor& logits, int64_t t0, int64_t n, float* dst) {
   }
 }
 
-}  // namespace
+struct GatesArgs {
+  const at::Tensor& logits;
+  int64_t S, E, k;
+  bool two_stage, shared_routed, with_aux;
+  float eps;
+  int64_t routed0, R, H, T;
+  float* G;
+  float* K;
+  double* partial;
+};
 
-// logits: [R, T] float32 head-major (rows: S shared when shared_routed, E routed, then 2 mix rows when
-// two_stage) -> (gates [T, S + E] float32 token-major, keep [E, T] float32: 1 where a routed head is chosen,
-// and with `with_aux` the load-balancing loss's terms: load [E], the share of tokens that chose each routed
-// head, and the loss E * sum_e load_e * mean_t P[e, t] (0-dim); else an empty tensor and 0).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_t S, int64_t E, int64_t k,
-                                                         bool two_stage, bool shared_routed, double eps_in,
-                                                         bool with_aux) {
-  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "moh_gates: logits must be [R, T] float32");
-  const auto& logits = logits_in;  // any strides (load_rows)
-  const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
-  TORCH_CHECK(E >= 1 && 1 <= k && k <= E && S >= 0 && R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0),
-              "moh_gates: logits rows do not match the budget");
-  auto gates = at::empty({T, H}, logits.options());
-  auto keep_out = at::empty({E, T}, logits.options());
-  const int64_t blocks = (T + BLOCK - 1) / BLOCK;
-  // per block: sum_t keep[e, t], then sum_t P[e, t] (summed in block order below: the same on any thread count)
-  std::vector<double> partial(with_aux ? blocks * 2 * E : 0);
-  float* G = gates.data_ptr<float>();
-  float* K = keep_out.data_ptr<float>();
-  const float eps = static_cast<float>(eps_in);
-  const int64_t routed0 = shared_routed ? S : 0;
-  at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+struct GatesBackwardArgs {
+  const at::Tensor& logits;
+  int64_t S, E, k;
+  bool two_stage, shared_routed;
+  float eps;
+  int64_t routed0, R, H, T;
+  const float* K;
+  const float* dG;
+  const float* W;
+  const at::Tensor& out;
+};
+
+// moh_gates' work on blocks [b0, b1) of tokens; compiled per instruction set (VISATTN_SIMD_CLONES).
+VISATTN_SIMD_CLONES void gates_blocks(const GatesArgs& a, int64_t b0, int64_t b1) {
+  const auto& logits = a.logits;
+  const int64_t S = a.S, E = a.E, k = a.k, R = a.R, H = a.H, T = a.T, routed0 = a.routed0;
+  const bool two_stage = a.two_stage, shared_routed = a.shared_routed, with_aux = a.with_aux;
+  const float eps = a.eps;
+  float* G = a.G;
+  float* K = a.K;
+  double* partial = a.partial;
+
     std::vector<float> buf((H + R + 4) * BLOCK);
     float* a0 = buf.data();
     float* a1 = a0 + BLOCK;
@@ -168,53 +179,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gates(const at::T
       for (int64_t t = 0; t < n; ++t)
         for (int64_t h = 0; h < H; ++h) out[t * H + h] = g[h * BLOCK + t];
     }
-  });
-  auto load = at::empty({with_aux ? E : 0}, logits.options());
-  auto aux = at::zeros({}, logits.options());
-  if (with_aux && T > 0) {
-    double loss = 0.0;
-    for (int64_t i = 0; i < E; ++i) {
-      double kept = 0.0, prob = 0.0;
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        kept += partial[blk * 2 * E + i];
-        prob += partial[(blk * 2 + 1) * E + i];
-      }
-      load.data_ptr<float>()[i] = static_cast<float>(kept / T);
-      loss += (kept / T) * (prob / T);
-    }
-    aux.fill_(loss * E);
   }
-  return {gates, keep_out, load, aux};
-}
 
-// The gradient of moh_gates' gates (and of the load-balancing loss) with respect to its logits.
-// logits, keep: as moh_gates took and returned them; grad_gates: [T, S + E]; aux_grad: [E] added to each
-// token's gradient of the pool's probabilities (d loss / d P[e, t], the same for every token), or empty.
-// -> grad_logits [R, T], laid out as the logits are (token-major when they were, so that the projection's
-// backward reads it contiguously). The softmaxes are recomputed per token; the selection is moh_gates' own.
-at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& keep_in, const at::Tensor& grad_in,
-                              const at::Tensor& aux_grad_in, int64_t S, int64_t E, int64_t k, bool two_stage,
-                              bool shared_routed, double eps_in) {
-  const auto& logits = logits_in;  // any strides (load_rows)
-  auto keep = keep_in.contiguous();
-  auto grad = grad_in.contiguous();
-  auto aux_grad = aux_grad_in.contiguous();
-  const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && keep.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
-              "moh_gates_backward: float32 tensors expected");
-  TORCH_CHECK(E >= 1 && R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0) && keep.size(0) == E &&
-                  keep.size(1) == T && grad.size(0) == T && grad.size(1) == H,
-              "moh_gates_backward: shapes do not match the budget");
-  TORCH_CHECK(aux_grad.numel() == 0 || aux_grad.numel() == E, "moh_gates_backward: aux_grad must be [E] or empty");
-  const bool token_major = logits.stride(0) == 1 && R > 1;
-  auto out = token_major ? at::empty({T, R}, logits.options()).t() : at::empty({R, T}, logits.options());
+// moh_gates_backward's work on blocks [b0, b1) of tokens; compiled per instruction set.
+VISATTN_SIMD_CLONES void gates_backward_blocks(const GatesBackwardArgs& a, int64_t b0, int64_t b1) {
+  const auto& logits = a.logits;
+  const int64_t S = a.S, E = a.E, k = a.k, R = a.R, H = a.H, T = a.T, routed0 = a.routed0;
+  const bool two_stage = a.two_stage, shared_routed = a.shared_routed;
+  const float eps = a.eps, kf = static_cast<float>(k), Sf = static_cast<float>(S);
+  const float* K = a.K;
+  const float* dG = a.dG;
+  const float* W = a.W;
+  const at::Tensor& out = a.out;
   const int64_t osr = out.stride(0), ost = out.stride(1);
-  const float* K = keep.data_ptr<float>();
-  const float* dG = grad.data_ptr<float>();
-  const float* W = aux_grad.numel() ? aux_grad.data_ptr<float>() : nullptr;
-  const float eps = static_cast<float>(eps_in), kf = static_cast<float>(k), Sf = static_cast<float>(S);
-  const int64_t routed0 = shared_routed ? S : 0;
-  at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+
     std::vector<float> buf((2 * H + 2 * R + 7) * BLOCK);
     float* s0 = buf.data();     // two-stage softmax
     float* s1 = s0 + BLOCK;
@@ -233,6 +211,7 @@ at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& kee
       auto row = [&](int64_t i) { return lb + i * BLOCK; };
       auto g = [&](int64_t t, int64_t h) { return dG[(t0 + t) * H + h]; };
       auto softmax = [&](int64_t first, int64_t rows, float* pr) {  // rows of L from `first` -> pr [rows, BLOCK]
+        if (rows == 0) return;  // a dense layer's empty pool
         std::copy(row(first), row(first) + n, mx);
         for (int64_t i = 1; i < rows; ++i) {
           const float* l = row(first + i);
@@ -334,7 +313,80 @@ at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& kee
       for (int64_t i = 0; i < R; ++i)
         for (int64_t t = 0; t < n; ++t) O[i * osr + (t0 + t) * ost] = dL[i * BLOCK + t];
     }
-  });
+  }
+
+}  // namespace
+
+// logits: [R, T] float32 head-major (rows: S shared when shared_routed, E routed, then 2 mix rows when
+// two_stage) -> (gates [T, S + E] float32 token-major, keep [E, T] float32: 1 where a routed head is chosen,
+// and with `with_aux` the load-balancing loss's terms: load [E], the share of tokens that chose each routed
+// head, and the loss E * sum_e load_e * mean_t P[e, t] (0-dim); else an empty tensor and 0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gates(const at::Tensor& logits_in, int64_t S, int64_t E, int64_t k,
+                                                         bool two_stage, bool shared_routed, double eps_in,
+                                                         bool with_aux) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.scalar_type() == at::kFloat, "moh_gates: logits must be [R, T] float32");
+  const auto& logits = logits_in;  // any strides (load_rows)
+  const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
+  TORCH_CHECK(((E >= 1 && 1 <= k && k <= E) || (E == 0 && k == 0 && !two_stage)) && S >= 0 &&
+                  R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0),
+              "moh_gates: logits rows do not match the budget");
+  auto gates = at::empty({T, H}, logits.options());
+  auto keep_out = at::empty({E, T}, logits.options());
+  const int64_t blocks = (T + BLOCK - 1) / BLOCK;
+  // per block: sum_t keep[e, t], then sum_t P[e, t] (summed in block order below: the same on any thread count)
+  std::vector<double> partial(with_aux ? blocks * 2 * E : 0);
+  float* G = gates.data_ptr<float>();
+  float* K = keep_out.data_ptr<float>();
+  const float eps = static_cast<float>(eps_in);
+  const int64_t routed0 = shared_routed ? S : 0;
+  const GatesArgs args{logits, S, E, k, two_stage, shared_routed, with_aux, eps, routed0, R, H, T, G, K, partial.data()};
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { gates_blocks(args, b0, b1); });
+  auto load = at::empty({with_aux ? E : 0}, logits.options());
+  auto aux = at::zeros({}, logits.options());
+  if (with_aux && T > 0) {
+    double loss = 0.0;
+    for (int64_t i = 0; i < E; ++i) {
+      double kept = 0.0, prob = 0.0;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        kept += partial[blk * 2 * E + i];
+        prob += partial[(blk * 2 + 1) * E + i];
+      }
+      load.data_ptr<float>()[i] = static_cast<float>(kept / T);
+      loss += (kept / T) * (prob / T);
+    }
+    aux.fill_(loss * E);
+  }
+  return {gates, keep_out, load, aux};
+}
+
+// The gradient of moh_gates' gates (and of the load-balancing loss) with respect to its logits.
+// logits, keep: as moh_gates took and returned them; grad_gates: [T, S + E]; aux_grad: [E] added to each
+// token's gradient of the pool's probabilities (d loss / d P[e, t], the same for every token), or empty.
+// -> grad_logits [R, T], laid out as the logits are (token-major when they were, so that the projection's
+// backward reads it contiguously). The softmaxes are recomputed per token; the selection is moh_gates' own.
+at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& keep_in, const at::Tensor& grad_in,
+                              const at::Tensor& aux_grad_in, int64_t S, int64_t E, int64_t k, bool two_stage,
+                              bool shared_routed, double eps_in) {
+  const auto& logits = logits_in;  // any strides (load_rows)
+  auto keep = keep_in.contiguous();
+  auto grad = grad_in.contiguous();
+  auto aux_grad = aux_grad_in.contiguous();
+  const int64_t R = logits.size(0), T = logits.size(1), H = S + E;
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && keep.scalar_type() == at::kFloat && grad.scalar_type() == at::kFloat,
+              "moh_gates_backward: float32 tensors expected");
+  TORCH_CHECK(E >= 0 && R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0) && keep.size(0) == E &&
+                  keep.size(1) == T && grad.size(0) == T && grad.size(1) == H,
+              "moh_gates_backward: shapes do not match the budget");
+  TORCH_CHECK(aux_grad.numel() == 0 || aux_grad.numel() == E, "moh_gates_backward: aux_grad must be [E] or empty");
+  const bool token_major = logits.stride(0) == 1 && R > 1;
+  auto out = token_major ? at::empty({T, R}, logits.options()).t() : at::empty({R, T}, logits.options());
+  const float* K = keep.data_ptr<float>();
+  const float* dG = grad.data_ptr<float>();
+  const float* W = aux_grad.numel() ? aux_grad.data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(eps_in);
+  const int64_t routed0 = shared_routed ? S : 0;
+  const GatesBackwardArgs args{logits, S, E, k, two_stage, shared_routed, eps, routed0, R, H, T, K, dG, W, out};
+  at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) { gates_backward_blocks(args, b0, b1); });
   return out;
 }
 
@@ -420,15 +472,116 @@ std::tuple<at::Tensor, at::Tensor> moh_gated_merge_backward(const at::Tensor& gr
   return {grad_heads.permute({0, 2, 1, 3}), grad_gates};
 }
 
+namespace {
+
+constexpr int64_t PROJ_ROWS = 256;  // tokens per block: a block's merged heads stay in L2 for its GEMMs
+
+VISATTN_SIMD_CLONES void add_bias(float* out, const float* bias, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] += bias[c];
+}
+
+VISATTN_SIMD_CLONES void add_column_sums(const float* rows_in, int64_t rows, int64_t cols, float* sums) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) sums[c] += rows_in[r * cols + c];
+}
+
+void check_proj_args(const at::Tensor& heads, const at::Tensor& gates, const at::Tensor& weight) {
+  check_merge_args(heads, gates);
+  TORCH_CHECK(visattn::sgemm_fn() != nullptr, "moh_gated_proj: this torch build exports no SGEMM");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(1) == heads.size(1) * heads.size(3),
+              "moh_gated_proj: weight must be [dim_out, H * d] float32, contiguous");
+}
+
+}  // namespace
+
+// The gated head merge and the output projection in one pass over blocks of tokens:
+// out [B, N, Co] = merge(heads [B, H, N, d] laid out as [B, N, H, d], gates [B, N, H]) @ weight^T + bias.
+// The merged heads of a block are written to a per-thread buffer and read back by the block's GEMM while
+// in cache, instead of making a round trip through memory (HeadAttention.merge_heads with gradients).
+at::Tensor moh_gated_proj(const at::Tensor& heads, const at::Tensor& gates_in, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  check_proj_args(heads, gates_in, weight);
+  auto gates = gates_in.contiguous();
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3), C = H * d;
+  const int64_t T = B * N, Co = weight.size(0);
+  auto out = at::empty({B, N, Co}, heads.options());
+  const float* X = heads.data_ptr<float>();
+  const float* G = gates.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, (T + PROJ_ROWS - 1) / PROJ_ROWS, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> merged(PROJ_ROWS * C), gexp(C);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t r0 = blk * PROJ_ROWS, n = std::min(PROJ_ROWS, T - r0);
+      for (int64_t r = 0; r < n; ++r) gate_row(X + (r0 + r) * C, G + (r0 + r) * H, H, d, gexp.data(), merged.data() + r * C);
+      visattn::sgemm(false, true, n, Co, C, 1.0f, merged.data(), C, W, C, 0.0f, O + r0 * Co, Co);
+      if (b != nullptr) add_bias(O + r0 * Co, b, n, Co);  // while the block's rows are in cache
+    }
+  });
+  return out;
+}
+
+// moh_gated_proj's backward: grad_out [B, N, Co] -> (grad_heads [B, H, N, d] laid out as [B, N, H, d],
+// grad_gates [B, N, H], grad_weight [Co, H * d], grad_bias [Co] (empty without `with_bias`)). Per block:
+// d merged = grad_out @ weight, then the merge's gradients, and grad_weight += grad_out^T @ merged with the
+// block's merged heads recomputed. Per-thread weight gradients are summed in thread order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gated_proj_backward(
+    const at::Tensor& grad_in, const at::Tensor& heads, const at::Tensor& gates_in, const at::Tensor& weight,
+    bool with_bias) {
+  check_proj_args(heads, gates_in, weight);
+  auto grad = grad_in.contiguous();
+  auto gates = gates_in.contiguous();
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3), C = H * d;
+  const int64_t T = B * N, Co = weight.size(0);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.numel() == T * Co, "moh_gated_proj_backward: grad_out must be [B, N, dim_out] float32");
+  auto grad_heads = at::empty({B, N, H, d}, heads.options());
+  auto grad_gates = at::empty({B, N, H}, gates.options());
+  const int64_t threads = at::get_num_threads();
+  auto grad_w = at::zeros({threads, Co, C}, weight.options());
+  auto grad_b = at::zeros({threads, with_bias ? Co : 0}, weight.options());
+  const float* dY = grad.data_ptr<float>();
+  const float* X = heads.data_ptr<float>();
+  const float* G = gates.data_ptr<float>();
+  const float* W = weight.data_ptr<float>();
+  float* dX = grad_heads.data_ptr<float>();
+  float* dG = grad_gates.data_ptr<float>();
+  at::parallel_for(0, (T + PROJ_ROWS - 1) / PROJ_ROWS, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t tid = at::get_thread_num();
+    float* dW = grad_w.data_ptr<float>() + tid * Co * C;
+    float* db = with_bias ? grad_b.data_ptr<float>() + tid * Co : nullptr;
+    std::vector<float> dmerged(PROJ_ROWS * C), merged(PROJ_ROWS * C), scratch(2 * C);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t r0 = blk * PROJ_ROWS, n = std::min(PROJ_ROWS, T - r0);
+      const float* dYb = dY + r0 * Co;
+      visattn::sgemm(false, false, n, C, Co, 1.0f, dYb, Co, W, C, 0.0f, dmerged.data(), C);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = r0 + r;
+        gate_row_backward(dmerged.data() + r * C, X + t * C, G + t * H, H, d, scratch.data(), dX + t * C, dG + t * H);
+        gate_row(X + t * C, G + t * H, H, d, scratch.data(), merged.data() + r * C);
+      }
+      visattn::sgemm(true, false, Co, C, n, 1.0f, dYb, Co, merged.data(), C, 1.0f, dW, C);
+      if (db != nullptr) add_column_sums(dYb, n, Co, db);
+    }
+  });
+  return {grad_heads.permute({0, 2, 1, 3}), grad_gates, grad_w.sum(0), grad_b.sum(0)};
+}
+
 TORCH_LIBRARY(visattn, m) {
   m.def("moh_gates(Tensor logits, int S, int E, int k, bool two_stage, bool shared_routed, float eps, bool with_aux) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moh_gates_backward(Tensor logits, Tensor keep, Tensor grad_gates, Tensor aux_grad, int S, int E, int k, bool two_stage, bool shared_routed, float eps) -> Tensor");
   m.def("moh_gated_merge(Tensor heads, Tensor gates) -> Tensor");
   m.def("moh_gated_merge_backward(Tensor grad_out, Tensor heads, Tensor gates) -> (Tensor, Tensor)");
+  m.def("moh_gated_proj(Tensor heads, Tensor gates, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("moh_gated_proj_backward(Tensor grad_out, Tensor heads, Tensor gates, Tensor weight, bool with_bias) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_gates", &moh_gates);
   m.impl("moh_gates_backward", &moh_gates_backward);
   m.impl("moh_gated_merge", &moh_gated_merge);
   m.impl("moh_gated_merge_backward", &moh_gated_merge_backward);
+  m.impl("moh_gated_proj", &moh_gated_proj);
+  m.impl("moh_gated_proj_backward", &moh_gated_proj_backward);
 }
