@@ -6,7 +6,13 @@ import torch
 
 import visattn.kernels as kernels
 from visattn.attention import build_attention
-from visattn.attention.fused_gating import GatedMerge, RoutedGates, gated_merge_runs
+from visattn.attention.fused_gating import (
+    GatedMerge,
+    GatedProjection,
+    RoutedGates,
+    gated_merge_runs,
+    gated_projection_runs,
+)
 
 BUDGETS = [  # (heads, shared, topk, two_stage)
     (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (4, 2, 1, True),
@@ -152,3 +158,28 @@ def test_training_on_the_kernels_is_deterministic_and_keeps_nan_in_its_token():
     out, _, grads = _step(layer, x, weights, aux_weight=0.0)
     assert out[1, 4].isnan().all() and out[0].isfinite().all()
     assert grads["x"][0].isfinite().all()
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gated_projection_equals_merge_then_linear(with_bias):
+    """Blocks of 256 tokens: 600 tokens end in a partial block."""
+    if not kernels.has_sgemm():
+        pytest.skip("this torch build exports no SGEMM")
+    torch.manual_seed(0)
+    heads = torch.randn(4, 150, 6, 8).transpose(1, 2)  # [B, H, N, d] laid out as SDPA's output
+    gates = torch.rand(4, 150, 6)
+    weight = torch.randn(20, 48)
+    bias = torch.randn(20) if with_bias else None
+    assert gated_projection_runs(heads, gates, weight, bias)
+    assert not gated_projection_runs(heads, gates, weight, torch.randn(20).bfloat16())
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (heads, gates, weight, bias)]
+    refs = [t.detach().requires_grad_() if t is not None else None for t in (heads, gates, weight, bias)]
+    out = GatedProjection.apply(*leaves)
+    ref = torch.nn.functional.linear(_merge_reference(refs[0], refs[1]), refs[2], refs[3])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    for leaf, reference in zip(leaves, refs, strict=True):
+        if leaf is not None:
+            torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-4, atol=1e-4)

@@ -202,7 +202,7 @@ class HeadAttention(nn.Module):
         if gates is not None and not torch.jit.is_scripting():
             proj = self.proj
             if (type(proj) is nn.Linear and type(self.norm) is nn.Identity and self.gate is None
-                    and gated_projection_runs(heads, gates, proj.weight)):
+                    and gated_projection_runs(heads, gates, proj.weight, proj.bias)):
                 # merge and projection per block of tokens (visattn.attention.fused_gating)
                 return self.proj_drop(GatedProjection.apply(heads, gates, proj.weight, proj.bias))
         if gates is not None and not torch.is_grad_enabled():

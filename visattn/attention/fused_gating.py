@@ -106,10 +106,13 @@ class GatedProjection(torch.autograd.Function):
         return grad_heads, grad_gates, grad_weight, grad_bias if ctx.has_bias else None
 
 
-def gated_projection_runs(heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``GatedProjection`` serves these tensors: ``gated_merge_runs``, a float32 contiguous weight,
-    SGEMM in this torch build, and no autocast (which would run the projection in another dtype)."""
+def gated_projection_runs(
+    heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether ``GatedProjection`` serves these tensors: ``gated_merge_runs``, a float32 contiguous weight
+    and bias, SGEMM in this torch build, and no autocast (which would run the projection in another dtype)."""
     return (
         gated_merge_runs(heads, gates) and weight.dtype == torch.float32 and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         and not torch.is_autocast_enabled("cpu") and has_sgemm()
     )

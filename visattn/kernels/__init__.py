@@ -1,8 +1,9 @@
 """Compiled CPU kernels, built on this machine on first use, with the PyTorch code as the fallback.
 
 - ``moh_routing_op()``: MoH's token-choice routing in one pass (``moh_routing.cpp``), with its backward
-  and the gated head merge's (``torch.ops.visattn.moh_gates_backward``, ``moh_gated_merge``,
-  ``moh_gated_merge_backward``; ``visattn.attention.fused_gating``). ``HeadRouter`` uses it in every
+  and the gated head merge's, alone or with the output projection (``torch.ops.visattn.``
+  ``moh_gates_backward``, ``moh_gated_merge[_backward]``, ``moh_gated_proj[_backward]``, the last with
+  MKL's SGEMM; ``visattn.attention.fused_gating``). ``HeadRouter`` uses it in every
   mode, where the PyTorch formulation costs about 20 small operations a layer each way (half the
   routing's time at the study's sizes; docs/benchmarks.md).
 - ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
