@@ -183,3 +183,26 @@ def test_gated_projection_equals_merge_then_linear(with_bias):
     for leaf, reference in zip(leaves, refs, strict=True):
         if leaf is not None:
             torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernels_agree_on_two_threads():
+    """Several blocks of tokens over two threads: per-thread weight gradients and per-block loss terms."""
+    if not kernels.has_sgemm():
+        pytest.skip("this torch build exports no SGEMM")
+    torch.manual_seed(0)
+    layer = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=3, impl="dense").train()
+    x = torch.randn(8, 97, 48)  # 776 tokens: four blocks of the routing kernel and of the projection
+    weights = torch.randn(8, 97, 48)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out, aux, grads = _step(layer, x, weights)
+    finally:
+        torch.set_num_threads(threads)
+    ref_out, ref_aux, ref_grads = _step(layer, x, weights, kernels_on=False)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=1e-7)
+    for name, grad in grads.items():
+        scale_of = ref_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-4 * scale_of,
+                                   msg=lambda m, name=name: f"{name}: {m}")
