@@ -206,3 +206,24 @@ def test_the_kernels_agree_on_two_threads():
         scale_of = ref_grads[name].abs().max().item()
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-4 * scale_of,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_torch_func_transforms_run_the_pytorch_code():
+    """torch.func.grad (per-sample gradients, e.g.) over a MoH layer: the kernels' Functions have no
+    functorch rules, so the PyTorch code runs and the gradients equal autograd's."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    layer = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=2, impl="dense").train()
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+    x = torch.randn(2, 5, 48)
+
+    def loss(p, x):
+        out = functional_call(layer, p, (x,))
+        return out.square().mean() + 0.37 * layer.router.aux_loss
+
+    grads = grad(loss)(params, x)
+    layer.zero_grad()
+    loss(dict(layer.named_parameters()), x).backward()
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -15,15 +15,25 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from visattn.kernels import has_sgemm, moh_routing_op
 
 
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, ...) is running: the kernels' autograd Functions
+    have no batching rule or functorch ``setup_context``, so the PyTorch code runs instead."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def eager_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether the compiled kernels may replace PyTorch code for x: an eager CPU tensor, outside
-    ``torch.compile`` / fx tracing (they trace the PyTorch code) and Python dispatch modes (e.g. the
-    FLOP counter, which should see the operations), with the kernels built and switched on."""
+    ``torch.compile`` / fx tracing (they trace the PyTorch code), ``torch.func`` transforms and Python
+    dispatch modes (e.g. the FLOP counter, which should see the operations), with the kernels built and
+    switched on. Their backward is once-differentiable: double backward (``create_graph=True``)
+    needs ``visattn.kernels.disabled()``."""
     return (
         type(x) is torch.Tensor  # first: an fx Proxy's attributes cannot be tested
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
+        and not functorch_active()
         and moh_routing_op() is not None
     )
 

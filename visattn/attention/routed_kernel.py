@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from visattn.kernels import moh_routed_heads_op
 
 from .base import HeadAttention
+from .fused_gating import functorch_active
 from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
 
 KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops")
@@ -69,6 +70,7 @@ def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bo
         and (loops or not needs_grad(attn, x))
         and not (attn.training and attn.attn_drop.p > 0)
         and type(x) is torch.Tensor
+        and not functorch_active()
         and moh_routed_heads_op(dtype, blas=not loops) is not None
     )
 
