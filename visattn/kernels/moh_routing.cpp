@@ -420,13 +420,12 @@ VISATTN_SIMD_CLONES void gate_row_backward(const float* dout, const float* x, co
 
 void check_merge_args(const at::Tensor& heads, const at::Tensor& gates) {
   TORCH_CHECK(heads.dim() == 4 && heads.scalar_type() == at::kFloat, "moh_gated_merge: heads must be [B, H, N, d] float32");
-  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2), d = heads.size(3);
+  const int64_t B = heads.size(0), H = heads.size(1), N = heads.size(2);
   TORCH_CHECK(heads.transpose(1, 2).is_contiguous(),
               "moh_gated_merge: heads must be laid out as [B, N, H, d] (attention's output, transposed)");
   TORCH_CHECK(gates.scalar_type() == at::kFloat && gates.dim() == 3 && gates.size(0) == B && gates.size(1) == N &&
                   gates.size(2) == H,
               "moh_gated_merge: gates must be [B, N, H] float32");
-  (void)d;
 }
 
 }  // namespace
