@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from visattn.attention.moh import PATHS
+from visattn.attention.moh import PATHS, TRAIN_PATHS
 from visattn.bench import attention_cases, moh_budget
 from visattn.bench.__main__ import main
 from visattn.bench.attention import Shape
@@ -175,6 +175,9 @@ def test_study_mode_times_the_studys_own_models(tmp_path, capsys):
         assert mha["infer_ratio"] == 1.0 and mha["train_ratio"] == 1.0
         assert moh["train_images_per_s"] == pytest.approx(2 / (moh["train_ms"] / 1e3))
         assert len(moh["paths"]) == 6 and all(p in PATHS for p in moh["paths"])  # auto's choices, per layer
+        # the study trains with train.attn_paths=probe: each MoH layer on what its start-up probe chose
+        assert len(moh["train_paths"]) == 6 and set(moh["train_paths"]) <= set(TRAIN_PATHS)
+        assert mha["train_paths"] == ["dense"] * 6
     text = capsys.readouterr().out
     assert "### study-dit, fp32" in text and "img/s infer vs ref" in text
 
@@ -217,7 +220,7 @@ def test_study_mode_compares_each_cell_with_the_kernels_off(tmp_path, monkeypatc
 
 def test_study_mode_times_each_cell_again_with_a_named_moh_impl(tmp_path):
     """'<cell> <impl>' rows: the same model with its MoH layers set to the impl where they have it,
-    trained on it (impl=auto trains on the masked dense path)."""
+    trained on it."""
     out = tmp_path / "study.json"
     main(["study", "--tasks", "cls", "--cells", "mha", "moh-50", "--batch", "2", "--warmup", "0", "--repeats", "1",
           "--threads", "1", "--moh-impl", "sparse", "--out", str(out)])
@@ -225,3 +228,4 @@ def test_study_mode_times_each_cell_again_with_a_named_moh_impl(tmp_path):
     assert list(rows) == ["mha", "moh-50", "moh-50 sparse"]
     assert rows["moh-50 sparse"]["train_ms"] > 0
     assert all(p != "masked_dense" for p in rows["moh-50 sparse"]["paths"])  # every study layer routes
+    assert all(p != "masked_dense" for p in rows["moh-50 sparse"]["train_paths"])

@@ -15,6 +15,7 @@ import torch
 from test_engine_faults import ONE_PRECISION, env
 
 from visattn.engine.checkpoints import latest_checkpoint
+from visattn.kernels import moh_routed_heads_op
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -29,7 +30,7 @@ TINY = [
 def test_torchrun_two_processes_share_one_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train_cls.py"), *TINY, f"hydra.run.dir={run_dir}"]
+           str(ROOT / "train_cls.py"), *TINY, "train.attn_paths=probe", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -38,6 +39,10 @@ def test_torchrun_two_processes_share_one_run_dir(tmp_path):
     assert results["world_size"] == 2
     assert results["train_steps"] == 2 * (1437 // 128)  # the global batch is split over the ranks
     assert 0.0 <= results["top1"] <= 1.0
+    # the MoH training paths: rank 0's probe, taken by both ranks (a collective every rank joins)
+    probed = {"blocks.0.attn", "blocks.1.attn"} if moh_routed_heads_op(torch.float32, blas=False) else set()
+    assert set(results["attention_train_paths"]["paths"]) == probed
+    assert latest_checkpoint(run_dir).state()["attention_train_paths"] == results["attention_train_paths"]
     state_rngs = latest_checkpoint(run_dir).state()["rng"]
     assert len(state_rngs) == 2 and not torch.equal(state_rngs[0]["torch"], state_rngs[1]["torch"])
     summary = [line for line in proc.stdout.splitlines() if line.startswith("{")]

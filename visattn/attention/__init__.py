@@ -14,6 +14,7 @@ from .model_ops import (
 from .registry import build_attention, get_attention_class, list_attentions, register_attention
 from .routing import HeadRouter
 from .spec import expand_per_layer, parse_attn_spec, per_layer_values
+from .train_paths import apply_train_paths, choose_train_paths
 
 __all__ = [
     "HeadAttention",
@@ -21,8 +22,10 @@ __all__ = [
     "active_heads",
     "attention_modules",
     "attention_stats",
+    "apply_train_paths",
     "aux_loss",
     "build_attention",
+    "choose_train_paths",
     "convert_moh_state_dict",
     "expand_per_layer",
     "parse_attn_spec",

@@ -58,9 +58,10 @@ def impl_choices(model: nn.Module) -> dict[str, Any]:
     ``{"device": <this process's CPU, and GPU if the model is on one>, "layers": [...]}`` with one
     entry per attention layer in forward order: ``layer`` (its module name), ``impl`` (its setting,
     None for variants with a single path), ``path`` (the path of its last forward that could leave
-    the dense one; ``"masked_dense"`` / ``"dense"`` otherwise) and ``choices`` (per input shape and
-    dtype seen: the path, the device it was chosen on, ``source`` and the probe's best times in ms).
-    Only eval forwards of ``impl="auto"`` layers probe; call it after evaluation."""
+    the dense one; ``"masked_dense"`` / ``"dense"`` otherwise), ``choices`` (per input shape and
+    dtype seen: the path, the device it was chosen on, ``source`` and the probe's best times in ms)
+    and, for MoH layers, ``train_path`` (what training takes: the named path, or under ``auto`` the
+    layer's ``train_path``). Only eval forwards of ``impl="auto"`` layers probe; call it after evaluation."""
     param = next(model.parameters(), None)
     devices = [device_name("cpu")]
     if param is not None and param.device.type != "cpu":
@@ -73,7 +74,8 @@ def impl_choices(model: nn.Module) -> dict[str, Any]:
             continue
         last = module.last_path or (module.fixed_path or "masked_dense")
         choices = {key: choice.record() for key, choice in path_log.items()}
-        layers.append({"layer": name, "impl": module.impl, "path": last, "choices": choices})
+        layers.append({"layer": name, "impl": module.impl, "path": last, "choices": choices,
+                       "train_path": module.fixed_path or module.train_path})
     return {"device": " + ".join(devices), "layers": layers}
 
 

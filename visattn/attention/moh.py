@@ -58,6 +58,10 @@ PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
 REFERENCE_PATH = "masked_dense"
 # "dense" is the masked dense path; "sparse" the skipping path the layer's routing is built for.
 MOH_IMPLS = ("auto", "dense", "sparse", *PATHS)
+# What impl="auto" may train on: the reference, and the one skipping path with a compiled backward (the
+# PyTorch ones train slower than the masked dense path: MoH-75 on dense_projections trained the study's
+# ViT at 0.82x MHA's speed, against 0.93x; docs/benchmarks.md).
+TRAIN_PATHS = (REFERENCE_PATH, "routed_kernel_loops")
 
 
 def available_paths(attn: HeadAttention) -> list[str]:
@@ -116,15 +120,18 @@ class MoHAttention(HeadAttention):
     keeps the fastest per input shape and dtype; ``"dense"`` is the masked dense path (the reference);
     ``"sparse"`` skips unselected heads (token choice: projections sparse up to half the routed pool,
     through the compiled kernel where it runs, dense above; head choice: ``head_gather``);
-    or name a path of ``PATHS``. Under ``auto`` training
-    takes the masked dense path (a probe cannot time a backward pass without touching gradients, and
-    a choice that differed between two processes would change a resumed run's last bits); a named
-    path runs in training too (every path is differentiable; ``routed_kernel_loops``, which
-    ``"sparse"`` takes for small heads, trains on the compiled kernel and its backward). An attention mask, ``is_causal``,
+    or name a path of ``PATHS``. Under ``auto`` training takes ``train_path``: the masked dense path
+    unless a run with ``train.attn_paths=probe`` set ``routed_kernel_loops`` at its start
+    (``visattn.attention.train_paths``), which then runs wherever the kernel can (else the masked dense
+    path). Training does not probe per forward as eval does: a choice that differed between two
+    processes of one run would change its last bits, so a run makes it once and keeps it in its
+    checkpoints. A named path runs in training
+    too (every path is differentiable; ``routed_kernel_loops``, which ``"sparse"`` takes for small
+    heads, trains on the compiled kernel and its backward). An attention mask, ``is_causal``,
     TorchScript and torch.fx always take the masked dense path.
     """
 
-    __jit_unused_properties__ = [*HeadAttention.__jit_unused_properties__, "impl"]
+    __jit_unused_properties__ = [*HeadAttention.__jit_unused_properties__, "impl", "train_path"]
 
     def __init__(
         self,
@@ -143,6 +150,8 @@ class MoHAttention(HeadAttention):
         super().__init__(dim, num_heads, shared_heads=shared_heads or 0, routed_topk=routed_topk, **kwargs)
         self.paths = available_paths(self)
         self.impl = impl  # sets fixed_path
+        self._train_path = REFERENCE_PATH  # what training takes under auto (see train_path)
+        self._trains_sparse = False  # train_path != masked_dense (a bool: TorchScript compiles uses_sparse)
         # Per instance: the path taken per (shape, dtype), for visattn.attention.impl_choices.
         self.path_log: dict[str, PathChoice] = {}
         self.last_path: str | None = None
@@ -160,14 +169,31 @@ class MoHAttention(HeadAttention):
         self.fixed_path = _fixed_path(self, impl, self.paths)
         self._impl = impl
 
+    @property
+    def train_path(self) -> str:
+        """The path training takes under ``impl="auto"``: ``masked_dense`` (the default) or
+        ``routed_kernel_loops`` (where the layer has it), set by a run's probe
+        (``visattn.attention.train_paths``); assigning checks it."""
+        return self._train_path
+
+    @train_path.setter
+    def train_path(self, path: str) -> None:
+        allowed = [p for p in TRAIN_PATHS if p in self.paths]
+        if path not in allowed:
+            raise ValueError(f"train_path={path!r} is not a training path of this layer; it has: {', '.join(allowed)}")
+        self._train_path = path
+        self._trains_sparse = path != REFERENCE_PATH
+
     def uses_sparse(self, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> bool:
         """Whether forward may leave the masked dense path for these arguments in the current mode
-        (under ``auto``: in eval, when there is another path to probe)."""
+        (under ``auto``: in eval, when there is another path to probe; in training, per ``train_path``)."""
         if attn_mask is not None or is_causal:
             return False
         if self.fixed_path is not None:
             return self.fixed_path != REFERENCE_PATH
-        return not self.training and len(self.paths) > 1
+        if self.training:
+            return self._trains_sparse
+        return len(self.paths) > 1
 
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
@@ -191,7 +217,12 @@ class MoHAttention(HeadAttention):
         subclasses (fake tensors: nothing to time)."""
         if isinstance(x, torch.fx.Proxy) or x.numel() == 0 or type(x) is not torch.Tensor:
             return self.dense_forward(x)
-        path = self.choose_path(x).path
+        if self.training and self.fixed_path is None:
+            # auto's training path runs the kernel where it can; elsewhere (bf16, another device, no
+            # toolchain) the masked dense path, not the PyTorch fallback, which trains slower
+            path = self._train_path if kernel_runs(self, x, loops=True) else REFERENCE_PATH
+        else:
+            path = self.choose_path(x).path
         self.last_path = path
         return PATHS[path](self, x)
 

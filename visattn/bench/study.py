@@ -76,8 +76,10 @@ def set_moh_impl(model: nn.Module, impl: str) -> None:
 
 
 def build_study_workload(task: str, cell: str, batch: int, profile: str = "full", seed: int = 0) -> Workload:
-    """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images and the AdamW
-    its trainer builds."""
+    """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images, the AdamW its
+    trainer builds, and, where the profile sets ``train.attn_paths=probe``, the MoH training paths its
+    trainer would choose at start (in float32; the record in ``workload.train_paths``)."""
+    from visattn.attention import apply_train_paths, choose_train_paths
     from visattn.engine.optim import adamw, build_optimizer
 
     cfg = study_config(task, cell, profile)
@@ -89,7 +91,11 @@ def build_study_workload(task: str, cell: str, batch: int, profile: str = "full"
     else:
         train = cfg["train"]
         optimizer = adamw(model.parameters(), cpu, lr=float(train["lr"]), weight_decay=float(train["weight_decay"]))
-    return Workload(model, study_inputs(task, cfg, batch, model), optimizer=optimizer)
+    work = Workload(model, study_inputs(task, cfg, batch, model), optimizer=optimizer)
+    if cfg["train"].get("attn_paths", "dense") == "probe":
+        work.train_paths = choose_train_paths(model, work.loss)
+        apply_train_paths(model, work.train_paths)
+    return work
 
 
 def run_study_bench(
@@ -108,11 +114,12 @@ def run_study_bench(
     moh_impl: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
-    ``train_images_per_s`` and ``paths`` (per attention layer, the path its inference took); the
+    ``train_images_per_s``, ``paths`` (per attention layer, the path its inference took) and
+    ``train_paths`` (the path it trained on); the
     first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each other cell also
     as ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds.
     ``moh_impl``: each other cell also as ``<cell> <moh_impl>``, every MoH layer that has that path set
-    to it (in training too: ``impl=auto`` trains on the masked dense path)."""
+    to it (in training too; ``impl=auto`` trains on what the start-up probe chose, ``train_paths``)."""
     from visattn.attention import impl_choices
 
     rows: list[dict[str, Any]] = []
@@ -138,6 +145,8 @@ def run_study_bench(
             add_images_per_s(row, batch)
             work = built.get((task, row["label"]))
             if work is not None:  # the path each attention layer's inference took (impl=auto chooses)
-                row["paths"] = [layer["path"] for layer in impl_choices(work.module)["layers"]]
+                layers = impl_choices(work.module)["layers"]  # and trained on (train.attn_paths=probe chooses)
+                row["paths"] = [layer["path"] for layer in layers]
+                row["train_paths"] = [layer.get("train_path", "dense") for layer in layers]
             rows.append({"preset": f"study-{task}", **row})
     return rows

@@ -3,7 +3,7 @@
 
 The definition is the whole config (model, attention, budget, data, augmentation, optimiser,
 schedule, training length, seed, evaluation) less the run-only keys below: how a run is executed
-(threads, devices, compilation, TF32, progress bars, logging and checkpoint cadence, where to resume
+(threads, devices, compilation, TF32, MoH's training-path probe, progress bars, logging and checkpoint cadence, where to resume
 from), which may change between the sittings of one run. A different definition into a run dir that holds a
 checkpoint is refused before anything is written, naming the keys that differ:
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 RUN_ONLY_KEYS = (
     "mode", "ckpt", "resume", "force_resume", "device",
     "train.num_threads", "train.progress", "train.tensorboard", "train.log_every", "train.ckpt_every",
-    "train.compile", "train.tf32",
+    "train.compile", "train.tf32", "train.attn_paths",
     "train.eval_every", "train.eval_batch_size", "train.stop_after_epoch",
     "data.num_workers", "sample.batch_size", "sample.compile", "eval.extractor_device", "cache",
 )

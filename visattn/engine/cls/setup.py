@@ -18,6 +18,7 @@ from visattn.attention import active_heads, attention_modules, convert_moh_state
 from visattn.data.datasets import check_data_config
 from visattn.engine.amp import normalize_amp
 from visattn.engine.checkpoints import MANIFEST, MODEL_WEIGHTS, verify_checkpoint
+from visattn.engine.moh_paths import check_attn_paths
 from visattn.engine.step import check_compile_setting
 from visattn.models.budgets import apply_budget
 from visattn.models.transnext import TransNeXt
@@ -99,6 +100,7 @@ def validate_cls_config(cfg: DictConfig, world_size: int = 1) -> nn.Module:
     if not isinstance(train.get("tf32", True), bool):
         raise ValueError(f"train.tf32={train.tf32!r} must be true or false")
     check_compile_setting(train.get("compile", False))
+    check_attn_paths(train.get("attn_paths", "dense"))
     if train.stop_after_epoch is not None:
         require_count("train.stop_after_epoch", train.stop_after_epoch)
     require_positive("optim.lr", cfg.optim.lr)

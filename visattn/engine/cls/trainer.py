@@ -29,6 +29,7 @@ from timm.loss import SoftTargetCrossEntropy
 from tqdm import tqdm
 
 from visattn.attention import active_heads, aux_loss, impl_choices
+from visattn.attention.train_paths import empty_record
 from visattn.data.datasets import build_datasets
 from visattn.data.images import skipped_files
 from visattn.data.loaders import build_loaders, build_mixup
@@ -58,6 +59,7 @@ from visattn.engine.ema import ModelEMA, unwrap_model
 from visattn.engine.guard import GRADIENTS, NonFiniteError, NonFiniteGuard, cause_hint, require_finite
 from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from visattn.engine.launch import Launched, launched, seed_everything
+from visattn.engine.moh_paths import RECORD_KEY, saved_train_paths, settle_train_paths
 from visattn.engine.optim import WarmupSchedule, build_optimizer
 from visattn.engine.preempt import Preempted
 from visattn.engine.results import (
@@ -142,6 +144,11 @@ class ClsRun:
         saved = self._resume_from[1].get("amp") if self._resume_from is not None else None
         self.amp = choose_amp(cfg.train.amp, self.device, self._step_probe(), saved=saved)
         self.amp_dtype = self.amp.dtype
+        self.train_paths = empty_record("evaluation") if cfg.mode != "train" else settle_train_paths(
+            self.model, cfg.train.get("attn_paths", "dense"), self._step_probe().loss, self._autocast,
+            saved_train_paths(self._resume_from[1] if self._resume_from is not None else None),
+            compile=bool(cfg.train.compile),
+        )
 
     def _step_probe(self) -> StepProbe:
         """A training step (evaluation: a forward pass) of this model on random images of the run's
@@ -379,7 +386,7 @@ class ClsRun:
                 "best_top1": pos.best, "world_size": self.dist.world_size, "optimizer": optimizer.state_dict(),
                 "rng": rngs, "guard": guard.state_dict(), "pending_eval_row": pending_row,
                 "throughput": self.trained.state_dict(), "clock": self.clock.state_dict(),
-                "amp": self.amp.record(),
+                "amp": self.amp.record(), RECORD_KEY: self.train_paths,
             }
             save_checkpoint(self.run_dir, pos.step, weights, state,
                             run=self.definition)
@@ -423,6 +430,7 @@ class ClsRun:
             "run_dir": str(self.run_dir), **self.amp.record(), "tf32": self.tf32,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "attention_paths": impl_choices(model),  # which exact path each layer ran (MoH impl=auto's probe)
+            RECORD_KEY: self.train_paths,  # and which path each MoH layer trained on
             # data.bad_images=skip: what this process left out (each rank verifies and skips alike)
             "skipped_files": skipped_files(self.train_set, self.val_set),
             **self.resume_notes,

@@ -18,6 +18,7 @@ from visattn.diffusion import GaussianDiffusion
 from visattn.diffusion.sampling import SAMPLERS
 from visattn.diffusion.schedule import space_timesteps
 from visattn.engine.amp import normalize_amp
+from visattn.engine.moh_paths import check_attn_paths
 from visattn.engine.optim import SCHEDULES
 from visattn.engine.step import check_compile_setting
 from visattn.metrics import GenerationScorer
@@ -128,6 +129,7 @@ def _check_training(cfg: dict[str, Any], world_size: int) -> None:
     train["amp"] = normalize_amp(train["amp"])
     require(isinstance(train.get("tf32", True), bool), "train.tf32", train.get("tf32"), "must be true or false")
     check_compile_setting(train.get("compile", False))
+    check_attn_paths(train.get("attn_paths", "dense"))
     sched = cfg["sched"]
     require(sched["name"] in SCHEDULES, "sched.name", sched["name"], f"is not known; use one of {'|'.join(SCHEDULES)}")
     for key in ("warmup_epochs", "warmup_lr", "min_lr"):

@@ -44,6 +44,7 @@ from visattn.engine.ema import ModelEMA, unwrap_model
 from visattn.engine.guard import GRADIENTS, NonFiniteGuard, cause_hint, require_finite
 from visattn.engine.head_load import HEAD_LOAD_FILE, HeadLoadMeter
 from visattn.engine.launch import seed_everything
+from visattn.engine.moh_paths import RECORD_KEY, saved_train_paths, settle_train_paths
 from visattn.engine.optim import WarmupSchedule, adamw
 from visattn.engine.preempt import StopSignal
 from visattn.engine.results import (
@@ -170,10 +171,13 @@ def train(cfg: Mapping[str, Any], dist: DistInfo, run_dir: Path, stop: StopSigna
     model.train()
     total_steps = int(tcfg["steps"])
     aux_weight = float(tcfg["aux_loss_weight"])
-    amp = choose_amp(tcfg["amp"], dist.device, step_probe(model, diffusion, data.sample_shape,
-                                                          global_batch // dist.world_size, aux_weight, dist.device),
-                     saved=results if found is not None else None)
+    probe = step_probe(model, diffusion, data.sample_shape, global_batch // dist.world_size, aux_weight, dist.device)
+    amp = choose_amp(tcfg["amp"], dist.device, probe, saved=results if found is not None else None)
     results.update(amp.record())  # in every checkpoint's extra: a resume keeps this choice
+    results[RECORD_KEY] = settle_train_paths(model, tcfg.get("attn_paths", "dense"), probe.loss,
+                                             lambda: amp.autocast(dist.device),
+                                             saved_train_paths(results if found is not None else None),
+                                             compile=bool(tcfg.get("compile", False)))  # kept the same way
     ddp = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None) \
         if dist.distributed else model
     clip = tcfg.get("clip_grad")
