@@ -47,6 +47,7 @@ LAYERS = [  # (heads, shared, topk, kwargs)
     (8, 2, 2, {"num_kv_heads": 1, "two_stage": False}),
     (4, 1, 2, {"proj_bias": False}),
     (8, 2, 3, {"qk_norm": True}),  # k_norm only reaches the kernel through k (q_norm is refused below)
+    (8, 8, 0, {"qkv_bias": True}),  # dense: every head on with soft weights (the loops skip nothing)
 ]
 
 
@@ -153,7 +154,8 @@ def _check_loops_gradients(kernel, monkeypatch, heads, shared, topk, kwargs):
         m.zero_grad()
         x_path = x.clone().requires_grad_()
         out = PATHS[path](m, x_path)
-        ((out * weight).sum() + m.router.aux_loss).backward()
+        aux = m.router.aux_loss  # None for a dense layer: nothing routed to balance
+        ((out * weight).sum() + (aux if aux is not None else 0)).backward()
         grads[path] = {"out": out.detach(), "x": x_path.grad, **{n: p.grad for n, p in m.named_parameters()}}
     assert calls == [1]
     reference, loops = grads["masked_dense"], grads["routed_kernel_loops"]

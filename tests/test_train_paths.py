@@ -99,9 +99,11 @@ def test_wrong_paths_and_layers_are_refused_with_what_exists():
     layer = build_attention("moh", 32, num_heads=8, shared_heads=2, routed_topk=2)
     with pytest.raises(ValueError, match=r"train_path='sparse_projections' is not a training path.*masked_dense"):
         layer.train_path = "sparse_projections"
-    dense_soft = build_attention("moh", 32, num_heads=8, shared_heads=8, routed_topk=0)
+    normed = build_attention("moh", 32, num_heads=8, shared_heads=2, routed_topk=2, qk_norm=True)
     with pytest.raises(ValueError, match="it has: masked_dense$"):
-        dense_soft.train_path = KERNEL_PATH  # nothing routed: no kernel path
+        normed.train_path = KERNEL_PATH  # the kernel does not normalise queries: no kernel path
+    dense_soft = build_attention("moh", 32, num_heads=8, shared_heads=8, routed_topk=0)
+    dense_soft.train_path = KERNEL_PATH  # every head on: the loops compute them all
     with pytest.raises(ValueError, match=r"no probed MoH layer for: \['c'\].*\['a', 'b'\]"):
         apply_train_paths(Tiny(), {"paths": {"c": KERNEL_PATH}})
     with pytest.raises(ValueError, match="train.attn_paths='fast' is not known; use dense or probe"):

@@ -65,12 +65,14 @@ TRAIN_PATHS = (REFERENCE_PATH, "routed_kernel_loops")
 
 
 def available_paths(attn: HeadAttention) -> list[str]:
-    """The exact paths ``attn`` can run without a mask, reference first (only the reference where the
-    layer cannot skip work, e.g. ``routed_topk=0``: every head on)."""
+    """The exact paths ``attn`` can run without a mask, reference first (for a dense layer,
+    ``routed_topk=0``: every head on, the reference and the loops kernel, which skips nothing)."""
     paths = [REFERENCE_PATH]
     router = attn.router
-    if sparse_moh_supported(attn) is not None or router.routed_topk == 0:
+    if sparse_moh_supported(attn) is not None:
         return paths
+    if router.routed_topk == 0:
+        return paths + (["routed_kernel_loops"] if routed_kernel_supported(attn) is None else [])
     paths.append("dense_projections")
     if router.routing == "token_choice" and router.router_kind == "linear":
         paths.append("sparse_projections")
@@ -92,7 +94,7 @@ def _fixed_path(attn: HeadAttention, impl: str, paths: list[str]) -> str | None:
         reason = sparse_moh_supported(attn)
         if reason is not None:
             raise ValueError(f"impl='sparse' is not available here: {reason}; use impl='dense' or 'auto'")
-        if len(paths) == 1:  # nothing to skip
+        if len(paths) == 1 or attn.router.routed_topk == 0:  # nothing to skip
             return REFERENCE_PATH
         if "head_gather" in paths:
             return "head_gather"

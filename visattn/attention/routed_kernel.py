@@ -40,10 +40,12 @@ LOOPS_MAX_WEIGHTS = 16384
 
 
 def routed_kernel_supported(attn: HeadAttention) -> str | None:
-    """None when ``attn``'s routing suits the kernel (token choice, linear router, some heads routed, no
-    query norm), else why not. Whether it runs also depends on the input (``kernel_runs``)."""
+    """None when ``attn``'s routing suits the kernel (token choice, linear router, no query norm), else
+    why not. Whether it runs also depends on the input (``kernel_runs``). A dense layer (``routed_topk=0``:
+    every head on, soft weights) suits ``routed_kernel_loops`` only: nothing is skipped, but its loops
+    compute the study's small heads faster than SDPA does."""
     router = attn.router
-    if router is None or router.routed_topk == 0:
+    if router is None:
         return "the layer does not route heads"
     if router.routing != "token_choice" or router.router_kind != "linear":
         return "the kernel serves token choice with the linear router"

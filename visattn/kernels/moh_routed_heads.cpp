@@ -510,7 +510,7 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   TORCH_CHECK(gates.scalar_type() == at::kFloat && gates.is_contiguous() && gates.dim() == 2, "moh_routed_heads: gates");
   const int64_t B = k.size(0), N = k.size(2), H = gates.size(1);
   TORCH_CHECK(x.size(0) == B * N && out.size(0) == B * N && gates.size(0) == B * N, "moh_routed_heads: token counts");
-  TORCH_CHECK(0 <= S && S < H && routed_mask.size(0) == H - S && routed_mask.size(1) == B * N && H % k.size(1) == 0,
+  TORCH_CHECK(0 <= S && S <= H && routed_mask.size(0) == H - S && routed_mask.size(1) == B * N && H % k.size(1) == 0,
               "moh_routed_heads: head counts");
   TORCH_CHECK(first_head == 0 || first_head == S, "moh_routed_heads: first_head is 0 or S");
   TORCH_CHECK(!small_gemm || dtype == at::kFloat, "moh_routed_heads: small_gemm is float32 only");
