@@ -173,3 +173,17 @@ def test_a_probed_dit_run_resumes_bit_for_bit_though_a_new_probe_would_choose_ot
     assert b.state()["extra"][RECORD_KEY]["paths"] == straight[RECORD_KEY]["paths"]
     for key, value in a.weights("model.safetensors").items():
         assert torch.equal(value, b.weights("model.safetensors")[key]), key
+
+
+def test_flop_counts_see_the_masked_dense_path_whatever_the_training_path(kernel):
+    """Under a Python dispatch mode (the FLOP counter) the kernel does not run: training takes the masked
+    dense path, so the dense forward that active-head FLOPs start from is the same either way."""
+    from visattn.utils.flops import active_head_flops
+
+    model, x = Tiny(), torch.randn(4, 7, 32)
+    before = active_head_flops(model, x)
+    apply_train_paths(model, {"paths": {"a": KERNEL_PATH, "b": KERNEL_PATH}})
+    assert active_head_flops(model, x) == before
+    assert model.a.last_path == REFERENCE_PATH
+    model.train()(x)
+    assert model.a.last_path == KERNEL_PATH  # outside the counter, the kernel

@@ -123,13 +123,11 @@ class HeadAttention(nn.Module):
         )
         # Per-forward statistics for load plots (detached); see visattn.attention_stats.
         self.stats = {}
-        # The linear router's logits come out of the qkv matmul as extra output columns. With
-        # gradients, backward then runs one weight and one input gradient matmul instead of two each
-        # (the study's ViT trained about 2% faster); without, x is read once: the router's own
-        # [tokens, C] x [C, ~10] product ran at a fraction of the GEMM's speed, 2 ms a ViT-S or DiT-B
-        # layer, and the fused one made the masked dense layer 1.6-2.3% faster at the DiT's sizes
-        # (docs/benchmarks.md). Padded to a multiple of 16 columns (the matmul's vector width: 10
-        # extra columns cost more than 16). The routing kernel reads the logits in place.
+        # With gradients, the linear router's logits come out of the qkv matmul as extra output
+        # columns: backward then runs one weight and one input gradient matmul instead of two each
+        # (the study's ViT trained about 2% faster). Padded to a multiple of 16 columns (the matmul's vector
+        # width: 10 extra columns cost more than 16). Without gradients the router's own matmul on
+        # the freshly read x is as fast, and its logits need no transposing copy.
         self.router_columns = 0
         if self.router is not None and self.router.logit_rows and type(self).project_qkv is HeadAttention.project_qkv:
             self.router_columns = -(-self.router.logit_rows // 16) * 16
@@ -242,7 +240,7 @@ class HeadAttention(nn.Module):
         """Every head computed, unselected heads zeroed by their gates (``forward``'s path; variants
         with other paths fall back to it). x: [B, N, C] -> [B, N, dim_out]."""
         logits: torch.Tensor | None = None
-        if self.router_columns:
+        if self.router_columns and torch.is_grad_enabled():
             q, k, v, logits = self.project_qkv_and_logits(x)
         else:
             q, k, v = self.project_qkv(x)

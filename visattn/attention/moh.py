@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .base import HeadAttention
 from .head_gather import head_gather_forward, head_gather_supported
@@ -221,8 +222,10 @@ class MoHAttention(HeadAttention):
             return self.dense_forward(x)
         if self.training and self.fixed_path is None:
             # auto's training path runs the kernel where it can; elsewhere (bf16, another device, no
-            # toolchain) the masked dense path, not the PyTorch fallback, which trains slower
-            path = self._train_path if kernel_runs(self, x, loops=True) else REFERENCE_PATH
+            # toolchain, a Python dispatch mode such as the FLOP counter) the masked dense path, not the
+            # PyTorch fallback, which trains slower (and which a FLOP count would then take as the model's)
+            runs = kernel_runs(self, x, loops=True) and _get_current_dispatch_mode() is None
+            path = self._train_path if runs else REFERENCE_PATH
         else:
             path = self.choose_path(x).path
         self.last_path = path
