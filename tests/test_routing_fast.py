@@ -3,6 +3,8 @@ straightforward token-major math they replace (MoH's released formulation: softm
 token over its heads, renormalised gates, two-stage weights): gates, selection, head load,
 load-balancing loss and every gradient, to float rounding."""
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +159,26 @@ def test_router_columns_in_the_qkv_matmul_equal_separate_matmuls(kwargs, qkv_bia
     torch.testing.assert_close(outs[0][1], outs[1][1])
     for (name, a), b in zip(fused.named_parameters(), separate.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_eval_under_autocast_takes_the_logits_from_the_qkv_matmul_unpadded():
+    """Without gradients, under autocast, one matmul serves qkv and the router (the router's own would
+    cast x again): the same outputs, and the extra columns are the router's rows exactly (no padding
+    in a FLOP count of eval's dense forward)."""
+    torch.manual_seed(0)
+    fused = visattn.build_attention("moh", 32, 8, shared_heads=2, routed_topk=2, impl="dense").eval()
+    separate = visattn.build_attention("moh", 32, 8, shared_heads=2, routed_topk=2, impl="dense").eval()
+    separate.load_state_dict(fused.state_dict())
+    separate.router_columns = 0
+    widths = []
+    real = torch.nn.functional.linear
+    x = torch.randn(3, 9, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = separate(x)
+        with unittest.mock.patch("torch.nn.functional.linear", lambda a, w, b=None: widths.append(w.shape[0]) or real(a, w, b)):
+            out = fused(x)
+    assert widths == [3 * 32 + fused.router.logit_rows, 32]  # the fused projection, then the output projection
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_variants_with_their_own_projection_keep_the_routers_matmul():

@@ -8,6 +8,7 @@ overriding ``attend``; routing, projections and the timm contract stay here.
 """
 
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -127,7 +128,7 @@ class HeadAttention(nn.Module):
         # columns: backward then runs one weight and one input gradient matmul instead of two each
         # (the study's ViT trained about 2% faster). Padded to a multiple of 16 columns (the matmul's vector
         # width: 10 extra columns cost more than 16). Without gradients the router's own matmul on
-        # the freshly read x is as fast, and its logits need no transposing copy.
+        # the freshly read x is as fast in float32; under autocast it is not (dense_forward).
         self.router_columns = 0
         if self.router is not None and self.router.logit_rows and type(self).project_qkv is HeadAttention.project_qkv:
             self.router_columns = -(-self.router.logit_rows // 16) * 16
@@ -241,30 +242,42 @@ class HeadAttention(nn.Module):
         with other paths fall back to it). x: [B, N, C] -> [B, N, dim_out]."""
         logits: torch.Tensor | None = None
         if self.router_columns and torch.is_grad_enabled():
-            q, k, v, logits = self.project_qkv_and_logits(x)
+            q, k, v, logits = self.project_qkv_and_logits(x, padded=True)
+        elif self.router_columns and not torch.jit.is_scripting() and self.autocast_on(x):
+            # Under autocast the router's own matmul would cast x again and run a skinny bf16 GEMM: 1-9%
+            # of a masked dense layer in eval (docs/benchmarks.md). No padding here: a FLOP count of
+            # eval's dense forward then matches the skipping paths' router exactly.
+            q, k, v, logits = self.project_qkv_and_logits(x, padded=False)
         else:
             q, k, v = self.project_qkv(x)
         gates, _ = self.route(x, q, selection=False, logits=logits)
         heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.merge_heads(x, heads, gates)
 
+    @torch.jit.unused
+    def autocast_on(self, x: torch.Tensor) -> bool:
+        """Whether autocast is on for x's device (False while torch.fx traces: a Proxy has no device)."""
+        return not isinstance(x, torch.fx.Proxy) and torch.is_autocast_enabled(x.device.type)
+
     def project_qkv_and_logits(
-        self, x: torch.Tensor
+        self, x: torch.Tensor, padded: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``project_equal_heads`` and the linear router's logits [logit_rows, B*N] (float32) from
-        one matmul whose weight is qkv's with the router's rows appended (bias 0 there)."""
+        one matmul whose weight is qkv's with the router's rows appended (bias 0 there), with zero
+        rows up to ``router_columns`` when ``padded``."""
         router = self.router
         assert router is not None
         B, N, C = x.shape
-        weight = router.stacked_weight(self.router_columns, above=self.qkv.weight)
+        columns = self.router_columns if padded else router.logit_rows
+        weight = router.stacked_weight(columns, above=self.qkv.weight)
         assert weight is not None
         bias = self.qkv.bias
         if bias is not None:
-            bias = torch.cat([bias, bias.new_zeros(self.router_columns)])
+            bias = torch.cat([bias, bias.new_zeros(columns)])
         rows = router.logit_rows
         # one split (not slices): its backward assembles the output's gradient in one pass
         q, k, v, logits, _ = F.linear(x, weight, bias).split(
-            [self.attn_dim, self.kv_dim, self.kv_dim, rows, self.router_columns - rows], dim=-1
+            [self.attn_dim, self.kv_dim, self.kv_dim, rows, columns - rows], dim=-1
         )
         q = q.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
