@@ -229,3 +229,24 @@ def test_study_mode_times_each_cell_again_with_a_named_moh_impl(tmp_path):
     assert rows["moh-50 sparse"]["train_ms"] > 0
     assert all(p != "masked_dense" for p in rows["moh-50 sparse"]["paths"])  # every study layer routes
     assert all(p != "masked_dense" for p in rows["moh-50 sparse"]["train_paths"])
+
+
+def test_interleaved_rounds_call_every_function_once_in_orders_that_change():
+    """Each round is a permutation of the functions (a fixed order biased whoever followed a heavy
+    path), drawn from the seed: two runs time the same orders."""
+    from visattn.bench.timing import interleaved_times
+
+    def orders(seed):
+        calls = []
+        fns = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
+        times = interleaved_times(fns, warmup=1, repeats=6, seed=seed)
+        assert all(len(t) == 6 for t in times.values())
+        assert calls[:5] == list("abcde")  # the warm-up round
+        rounds = [calls[5 + 5 * i : 10 + 5 * i] for i in range(6)]
+        assert all(sorted(r) == list("abcde") for r in rounds)
+        return rounds
+
+    rounds = orders(0)
+    assert len({tuple(r) for r in rounds}) > 1 and {r[0] for r in rounds} != {"a"}
+    assert orders(0) == rounds and orders(1) != rounds
+

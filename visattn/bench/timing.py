@@ -3,6 +3,7 @@ machine's matmul peak measured in the same process."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -19,10 +20,17 @@ CLOCKS: dict[str, Callable[[], float]] = {
 
 
 def interleaved_times(
-    fns: Mapping[str, Callable[[], object]], warmup: int = 2, repeats: int = 10, clock: str = "wall"
+    fns: Mapping[str, Callable[[], object]], warmup: int = 2, repeats: int = 10, clock: str = "wall", seed: int = 0
 ) -> dict[str, list[float]]:
-    """Seconds per call of each function, sampled round-robin: ``repeats`` rounds, each calling every
-    function once, after ``warmup`` untimed rounds. ``clock``: "wall" or "cpu" (see ``CLOCKS``)."""
+    """Seconds per call of each function, sampled in rounds: ``repeats`` rounds, each calling every
+    function once, after ``warmup`` untimed rounds. ``clock``: "wall" or "cpu" (see ``CLOCKS``).
+
+    Each timed round calls the functions in a new order (a permutation drawn from ``seed``: the same
+    orders in every run). In a fixed order a function always ran right after the same one, and what
+    ran before mattered: in bf16 a masked dense MoH layer ran 9-10% slower right after a path that
+    allocates much (a PyTorch fallback) than right after ``mha`` (ViT-S shapes, Intel Xeon;
+    ``csrc/session7/position2.py`` on the local branch ``proto/moh-kernels``), a bias in its ratio
+    that no number of rounds removed. Shuffled, the predecessor varies and the median sees each."""
     if clock not in CLOCKS:
         raise ValueError(f"clock={clock!r} is not known; use one of {sorted(CLOCKS)}")
     now = CLOCKS[clock]
@@ -32,8 +40,12 @@ def interleaved_times(
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(seed)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             start = now()
             fn()
             times[name].append(now() - start)
