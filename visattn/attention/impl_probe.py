@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -128,13 +129,17 @@ def time_paths(
 ) -> dict[str, list[float]]:
     """Seconds of each timed run per path: one warm-up round, then ``repeats`` interleaved rounds for
     the paths whose warm-up took at most ``give_up`` times the fastest warm-up (the others keep their
-    warm-up time as their only sample). Calls ``timer(name, run)`` in a fixed order, so a scripted
-    timer gives a fixed result."""
+    warm-up time as their only sample). Each timed round takes the paths in a new order, drawn from
+    a fixed seed, so a scripted timer gives a fixed result: in one fixed order a path always ran
+    right after the same one, and right after a path that allocates much a layer ran up to 10% slower
+    (``visattn.bench.timing.interleaved_times``), which would have counted against it."""
     warm = {name: timer(name, run) for name, run in runs.items()}
     fastest = min(warm.values())
     timed = [name for name in runs if warm[name] <= give_up * fastest]
     samples: dict[str, list[float]] = {name: [] for name in timed}
+    rng = random.Random(0)
     for _ in range(repeats):
+        rng.shuffle(timed)
         for name in timed:
             samples[name].append(timer(name, runs[name]))
     return {name: samples.get(name) or [warm[name]] for name in runs}
