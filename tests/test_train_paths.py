@@ -126,6 +126,9 @@ def test_settle_probes_only_a_fresh_probe_run(kernel):
     fresh = settle_train_paths(model, "probe", lambda: model(x), contextlib.nullcontext, None)
     assert set(fresh["paths"]) == {"a", "b"}
     assert saved_train_paths(None) is None and saved_train_paths({}) == BEFORE_RECORDS  # an older checkpoint
+    model.b.impl = "dense"  # force_resume after attn.impl changed: b no longer probes; its saved path is dropped
+    both = {**saved, "paths": {"a": KERNEL_PATH, "b": KERNEL_PATH}}
+    assert settle_train_paths(model, "probe", no_forward, None, both)["paths"] == {"a": KERNEL_PATH}
 
 
 def test_a_run_records_its_probe_and_a_resume_keeps_it(kernel, tmp_path, monkeypatch):

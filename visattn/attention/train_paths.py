@@ -2,8 +2,8 @@
 
 In eval ``auto`` probes per input shape (``impl_probe``). Training differs in two ways. Only two paths
 compete: the masked dense one and ``routed_kernel_loops``, whose compiled backward made the study's
-MoH-50 ViT train at MHA's speed where the masked dense path ran at 0.93-0.94x (docs/benchmarks.md);
-the PyTorch skipping paths train slower than the masked dense one. And a run must not change path
+MoH-50 ViT train at 0.96-1.00x MHA's speed where the masked dense path ran at 0.93-0.96x
+(docs/benchmarks.md); the PyTorch skipping paths train slower than the masked dense one. And a run must not change path
 between its processes: two paths agree only to float rounding, so a resumed run (or another rank)
 that chose differently would change the run's last bits. So a run chooses once, at start, on the
 run's own batch shape: ``choose_train_paths`` times each layer's forward and backward on both paths
@@ -64,9 +64,10 @@ def choose_train_paths(
     forward and backward (``torch.autograd.grad``: no ``.grad`` is touched) on that input through both
     paths, under ``autocast()`` (the run's mixed precision), timed as ``impl_probe`` times (``timer``,
     ``default_timer`` when None; ``repeats``, ``give_up``), and keeps the kernel path only if it beats
-    the masked dense one by more than ``margin`` in every round. Layers of one signature and input shape share a measurement. Where
-    the kernel does not run (bf16, a GPU, no toolchain) nothing is timed. The probe leaves no trace:
-    the model's mode, buffers, gradients and torch's CPU random state are as before.
+    the masked dense one by more than ``margin`` in every round. Layers of one signature and input
+    shape share a measurement. Where the kernel does not run (bf16, a GPU, no toolchain) nothing is
+    timed. The probe leaves no trace: the model's mode, buffers, gradients and torch's CPU random
+    state are as before.
     """
     layers = probed_layers(model)
     if not layers:

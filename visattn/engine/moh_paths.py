@@ -68,6 +68,11 @@ def settle_train_paths(
         record = empty_record("train.attn_paths=dense")
     elif saved is not None:
         record = dict(saved)
+        known = probed_layers(model)
+        dropped = sorted(set(record.get("paths") or {}) - set(known))
+        if dropped:  # force_resume with another attn.impl: those layers now take the path impl names
+            log.warning("the saved training paths name layers that no longer probe (%s); ignoring them", dropped)
+            record["paths"] = {k: v for k, v in record["paths"].items() if k in known}
     elif compile:
         record = empty_record("train.compile: masked dense, in the compiled graph")
     else:
