@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from visattn.utils.probing import untouched
+
 from .impl_probe import default_timer, device_name, pick_path, time_paths
 from .moh import PATHS, REFERENCE_PATH, TRAIN_PATHS, MoHAttention
 from .routed_kernel import kernel_runs
@@ -79,23 +81,18 @@ def choose_train_paths(
     device = device_name(next(iter(inputs.values())).device) if inputs else device_name("cpu")
     record = {"paths": {}, "times_ms": {}, "device": device, "reason": "probe: forward and backward of each layer"}
     shared: dict[tuple, tuple[str, dict[str, float]]] = {}
-    was_training = model.training
-    model.train()
-    try:
-        with torch.random.fork_rng(devices=[]), autocast():
-            for name, layer in layers.items():
-                x = inputs.get(name)
-                if x is None or not kernel_runs(layer, x, loops=True):
-                    continue
-                dtype = str(compute_dtype(x)).removeprefix("torch.")
-                key = layer.probe_key(x, device, dtype)
-                if key not in shared:
-                    shared[key] = _time_layer(layer, x, timer or default_timer, repeats, margin, give_up)
-                path, times = shared[key]
-                record["paths"][name] = path
-                record["times_ms"][name] = times
-    finally:
-        model.train(was_training)
+    with untouched(model, training=True), autocast():
+        for name, layer in layers.items():
+            x = inputs.get(name)
+            if x is None or not kernel_runs(layer, x, loops=True):
+                continue
+            dtype = str(compute_dtype(x)).removeprefix("torch.")
+            key = layer.probe_key(x, device, dtype)
+            if key not in shared:
+                shared[key] = _time_layer(layer, x, timer or default_timer, repeats, margin, give_up)
+            path, times = shared[key]
+            record["paths"][name] = path
+            record["times_ms"][name] = times
     if not record["paths"]:
         record["reason"] = "the kernel does not run here (dtype, device or toolchain): masked dense"
     return record
@@ -135,20 +132,12 @@ def _capture_inputs(model: nn.Module, layers: Mapping[str, MoHAttention], forwar
         return grab
 
     handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    was_training = model.training
     try:
-        model.train()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with untouched(model, training=True), torch.no_grad():
             forward()
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
     return inputs
 
 

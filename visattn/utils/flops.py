@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from .probing import untouched
+
 aten = torch.ops.aten
 
 
@@ -109,17 +111,10 @@ def active_head_flops(model: nn.Module, *inputs: torch.Tensor) -> float:
             skipped.append((1 - active / total) * query_side_flops(b, n, c, module.attn_dim))
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if _is_head_layer(m)]
-    was_training = model.training
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     try:
-        model.train()
-        with torch.random.fork_rng(devices=[]):
+        with untouched(model, training=True):
             dense = count_flops(model, *inputs)
     finally:
-        model.train(was_training)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
         for handle in handles:
             handle.remove()
     return float(dense - sum(skipped))
