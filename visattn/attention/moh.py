@@ -128,10 +128,10 @@ class MoHAttention(HeadAttention):
     (``visattn.attention.train_paths``), which then runs wherever the kernel can (else the masked dense
     path). Training does not probe per forward as eval does: a choice that differed between two
     processes of one run would change its last bits, so a run makes it once and keeps it in its
-    checkpoints. A named path runs in training
-    too (every path is differentiable; ``routed_kernel_loops``, which ``"sparse"`` takes for small
-    heads, trains on the compiled kernel and its backward). An attention mask, ``is_causal``,
-    TorchScript and torch.fx always take the masked dense path.
+    checkpoints. A named path runs in training too (every path is differentiable;
+    ``routed_kernel_loops``, which ``"sparse"`` takes for small heads, trains on the compiled kernel and
+    its backward). An attention mask, ``is_causal``, TorchScript and torch.fx always take the masked
+    dense path.
     """
 
     __jit_unused_properties__ = [*HeadAttention.__jit_unused_properties__, "impl", "train_path"]

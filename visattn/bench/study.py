@@ -75,10 +75,12 @@ def set_moh_impl(model: nn.Module, impl: str) -> None:
             layer.impl = impl
 
 
-def build_study_workload(task: str, cell: str, batch: int, profile: str = "full", seed: int = 0) -> Workload:
+def build_study_workload(
+    task: str, cell: str, batch: int, profile: str = "full", seed: int = 0, probe_train_paths: bool = True
+) -> Workload:
     """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images, the AdamW its
-    trainer builds, and, where the profile sets ``train.attn_paths=probe``, the MoH training paths its
-    trainer would choose at start (in float32; the record in ``workload.train_paths``)."""
+    trainer builds, and, where the profile sets ``train.attn_paths=probe`` (and ``probe_train_paths``),
+    the MoH training paths its trainer would choose at start (in float32)."""
     from visattn.attention import apply_train_paths, choose_train_paths
     from visattn.engine.optim import adamw, build_optimizer
 
@@ -92,9 +94,8 @@ def build_study_workload(task: str, cell: str, batch: int, profile: str = "full"
         train = cfg["train"]
         optimizer = adamw(model.parameters(), cpu, lr=float(train["lr"]), weight_decay=float(train["weight_decay"]))
     work = Workload(model, study_inputs(task, cfg, batch, model), optimizer=optimizer)
-    if cfg["train"].get("attn_paths", "dense") == "probe":
-        work.train_paths = choose_train_paths(model, work.loss)
-        apply_train_paths(model, work.train_paths)
+    if probe_train_paths and cfg["train"].get("attn_paths", "dense") == "probe":
+        apply_train_paths(model, choose_train_paths(model, work.loss))
     return work
 
 
@@ -126,7 +127,8 @@ def run_study_bench(
     built: dict[tuple[str, str], Workload] = {}
 
     def build(task: str, cell: str, batch: int, profile: str, label: str) -> Workload:
-        built[task, label] = build_study_workload(task, cell, batch, profile)
+        # only a cell's own row probes: a " pytorch" row trains with the kernels off, an impl row on its impl
+        built[task, label] = build_study_workload(task, cell, batch, profile, probe_train_paths=label == cell)
         built[task, label].use_kernels = not label.endswith(" pytorch")
         if moh_impl is not None and label.endswith(f" {moh_impl}"):
             set_moh_impl(built[task, label].module, moh_impl)

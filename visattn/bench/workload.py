@@ -51,7 +51,6 @@ class Workload:
     optimizer: torch.optim.Optimizer | None = None
     compiled: nn.Module | None = None  # torch.compile(module): what forward calls when set
     use_kernels: bool = True  # False: the PyTorch code instead of visattn.kernels (A/B rows)
-    train_paths: dict | None = None  # the MoH training-path record applied to the module, if any
 
     def compile(self) -> Workload:
         """Forward through ``torch.compile(module)`` (inductor) from now on."""
