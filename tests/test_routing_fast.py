@@ -8,6 +8,7 @@ import unittest.mock
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import visattn
 from visattn.attention.routing import head_choice_selection, rank_constants, top_k_mask
@@ -161,23 +162,38 @@ def test_router_columns_in_the_qkv_matmul_equal_separate_matmuls(kwargs, qkv_bia
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_eval_under_autocast_takes_the_logits_from_the_qkv_matmul_unpadded():
-    """Without gradients, under autocast, one matmul serves qkv and the router (the router's own would
-    cast x again): the same outputs, and the extra columns are the router's rows exactly (no padding
-    in a FLOP count of eval's dense forward)."""
+def test_eval_under_autocast_casts_x_once_for_qkv_and_the_router():
+    """Without gradients, under autocast, x is cast once for the qkv and the router's matmuls (each
+    would cast it again), and the router's logits do not come from the qkv matmul (extra columns
+    misalign its rows): the same outputs as with a layer without the fused columns."""
     torch.manual_seed(0)
-    fused = visattn.build_attention("moh", 32, 8, shared_heads=2, routed_topk=2, impl="dense").eval()
+    layer = visattn.build_attention("moh", 32, 8, shared_heads=2, routed_topk=2, impl="dense").eval()
     separate = visattn.build_attention("moh", 32, 8, shared_heads=2, routed_topk=2, impl="dense").eval()
-    separate.load_state_dict(fused.state_dict())
+    separate.load_state_dict(layer.state_dict())
     separate.router_columns = 0
+
+    class CastsOfX(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].numel() == x.numel():  # x or a view of it
+                self.casts += args[0].dtype == torch.float32
+            return func(*args, **(kwargs or {}))
+
     widths = []
     real = torch.nn.functional.linear
     x = torch.randn(3, 9, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected = separate(x)
+        with CastsOfX() as separate_casts:
+            separate(x)
         with unittest.mock.patch("torch.nn.functional.linear", lambda a, w, b=None: widths.append(w.shape[0]) or real(a, w, b)):
-            out = fused(x)
-    assert widths == [3 * 32 + fused.router.logit_rows, 32]  # the fused projection, then the output projection
+            with CastsOfX() as casts:
+                out = layer(x)
+    assert separate_casts.casts == 2 and casts.casts == 1
+    assert widths == [3 * 32, layer.router.logit_rows, 32]  # qkv, the router, the output projection
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 

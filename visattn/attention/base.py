@@ -242,13 +242,14 @@ class HeadAttention(nn.Module):
         with other paths fall back to it). x: [B, N, C] -> [B, N, dim_out]."""
         logits: torch.Tensor | None = None
         if self.router_columns and torch.is_grad_enabled():
-            q, k, v, logits = self.project_qkv_and_logits(x, padded=True)
-        elif self.router_columns and not torch.jit.is_scripting() and self.autocast_on(x):
-            # Under autocast the router's own matmul would cast x again and run a skinny bf16 GEMM: 1-9%
-            # of a masked dense layer in eval (docs/benchmarks.md). No padding here: a FLOP count of
-            # eval's dense forward then matches the skipping paths' router exactly.
-            q, k, v, logits = self.project_qkv_and_logits(x, padded=False)
+            q, k, v, logits = self.project_qkv_and_logits(x)
         else:
+            if self.router_columns and not torch.jit.is_scripting() and self.autocast_on(x):
+                # Under autocast the qkv and the router's matmuls would each cast x (a third of the
+                # router's cost at ViT-S in bf16), so x is cast once, as autocast would. The logits do
+                # not come from the qkv matmul here: their 7 extra columns misalign its rows, which made
+                # the matmul and SDPA on its q/k/v views 2-3 ms slower (docs/benchmarks.md).
+                x = x.to(torch.get_autocast_dtype(x.device.type))
             q, k, v = self.project_qkv(x)
         gates, _ = self.route(x, q, selection=False, logits=logits)
         heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
@@ -259,16 +260,14 @@ class HeadAttention(nn.Module):
         """Whether autocast is on for x's device (False while torch.fx traces: a Proxy has no device)."""
         return not isinstance(x, torch.fx.Proxy) and torch.is_autocast_enabled(x.device.type)
 
-    def project_qkv_and_logits(
-        self, x: torch.Tensor, padded: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``project_equal_heads`` and the linear router's logits [logit_rows, B*N] (float32) from
         one matmul whose weight is qkv's with the router's rows appended (bias 0 there), with zero
-        rows up to ``router_columns`` when ``padded``."""
+        rows up to ``router_columns``."""
         router = self.router
         assert router is not None
         B, N, C = x.shape
-        columns = self.router_columns if padded else router.logit_rows
+        columns = self.router_columns
         weight = router.stacked_weight(columns, above=self.qkv.weight)
         assert weight is not None
         bias = self.qkv.bias
