@@ -18,12 +18,13 @@ from visattn.attention.impl_probe import (
     use_impl_probe,
 )
 from visattn.attention.moh import PATHS
+from visattn.attention.routed_kernel import KERNEL_PATHS
 from visattn.kernels import moh_routed_heads_op
 from visattn.utils.flops import count_flops
 
 # The compiled paths that run here (float32): their kernel needs a C++ toolchain, and routed_kernel MKL's GEMM
 KERNEL_PATHS_HERE = {
-    path for path, blas in (("routed_kernel", True), ("routed_kernel_loops", False))
+    path for path, blas in (("routed_kernel", True), ("routed_kernel_loops", False), ("masked_kernel_loops", False))
     if moh_routed_heads_op(torch.float32, blas) is not None
 }
 
@@ -61,6 +62,7 @@ ALL_FAST = {
     "sparse_projections": 1.0,
     "routed_kernel": 1.0,
     "routed_kernel_loops": 1.0,
+    "masked_kernel_loops": 1.0,
     "head_gather": 1.0,
     "head_gather_dense_out": 1.0,
 }
@@ -93,7 +95,7 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
             with use_impl_probe(ImplProbe(timer=ScriptedTimer({**ALL_FAST, path: 0.1}))):
                 torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
             # without the kernel, its paths are sparse_projections again and are not probed
-            probed = not path.startswith("routed_kernel") or path in KERNEL_PATHS_HERE
+            probed = path not in KERNEL_PATHS or path in KERNEL_PATHS_HERE
             assert (m.last_path == path) == probed
 
 
@@ -103,7 +105,7 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
 def test_masked_dense_timed_fastest_is_picked():
     m = _moh()
     timer = ScriptedTimer({"masked_dense": 1.0, "dense_projections": 1.5, "sparse_projections": 2.0, "routed_kernel": 2.0,
-                           "routed_kernel_loops": 2.0})
+                           "routed_kernel_loops": 2.0, "masked_kernel_loops": 2.0})
     with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
         m(torch.randn(2, 9, 32))
     assert m.last_path == "masked_dense"
@@ -132,7 +134,7 @@ def test_probe_rounds_are_interleaved_and_hopeless_paths_stop_after_the_warm_up(
 
 def test_the_decision_is_deterministic_given_the_timer():
     seconds = {"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0, "routed_kernel": 3.0,
-               "routed_kernel_loops": 3.0}
+               "routed_kernel_loops": 3.0, "masked_kernel_loops": 3.0}
     chosen = set()
     for _ in range(3):
         m = _moh()
@@ -278,7 +280,7 @@ def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):
     labels = [r["label"] for r in rows]
     assert labels[0] == "mha"
     for prefix, paths in (
-        ("moh-50", ["sparse_projections", "routed_kernel", "routed_kernel_loops"]),
+        ("moh-50", ["sparse_projections", "routed_kernel", "routed_kernel_loops", "masked_kernel_loops"]),
         ("hc-50", ["head_gather", "head_gather_dense_out"]),
     ):
         for path in ["masked_dense", "dense_projections", *paths, "auto"]:

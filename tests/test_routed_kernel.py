@@ -73,6 +73,50 @@ def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, head
     torch.testing.assert_close(out, fallback, rtol=1e-5, atol=tol)
 
 
+HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
+
+
+@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE + [(8, 2, 2, {"router": "l2norm"})])
+@pytest.mark.parametrize("B, N", [(3, 17), (2, 70)])
+def test_every_head_in_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, heads, shared, topk, kwargs, B, N):
+    """masked_kernel_loops: every head for every token in the loops kernel, unselected pairs zeroed by
+    their gates; offered wherever the router's gates need x alone, except dense layers, where
+    routed_kernel_loops is the same computation."""
+    m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)
+    path = "masked_kernel_loops"
+    if routed_kernel.masked_kernel_supported(m) is not None or topk == 0:
+        assert path not in m.paths
+        with pytest.raises(ValueError, match=path):
+            m.impl = path
+        return
+    x = torch.randn(B, N, 80)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        out = PATHS[path](m, x)
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_every_head_in_the_kernel_falls_back_to_the_masked_dense_path(kernel, monkeypatch):
+    """Where the kernel does not run (kernels off, bf16, a dispatch mode such as the FLOP counter),
+    masked_kernel_loops is the masked dense path itself, so a FLOP count is the masked dense one."""
+    m = _moh(impl="masked_kernel_loops")
+    x = torch.randn(2, 9, 48)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        with kernels.disabled():
+            assert torch.equal(m(x), m.dense_forward(x))
+        half = _moh(impl="masked_kernel_loops").to(torch.bfloat16)
+        x_half = x.to(torch.bfloat16)
+        assert torch.equal(half(x_half), half.dense_forward(x_half))
+        assert calls == []
+        assert count_flops(m, x) == count_flops(lambda: m.dense_forward(x)) > 0
+        assert calls == [] and m.last_path == "masked_kernel_loops"
+        m(x)
+    assert calls == [1]
+
+
 def test_bfloat16_matches_the_masked_dense_path_to_bf16_rounding(kernel, monkeypatch):
     if kernels.moh_routed_heads_op(torch.bfloat16) is None:
         pytest.skip("this torch build exports no bf16 GEMM")
@@ -118,7 +162,7 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops"])
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops"])
 def test_nan_in_one_image_stays_in_that_image(kernel, path):
     m = _moh()
     x = torch.randn(3, 9, 48)
@@ -130,35 +174,37 @@ def test_nan_in_one_image_stays_in_that_image(kernel, path):
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # 2: images split over threads, weight gradients summed
-@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS)
-def test_the_loops_gradients_equal_the_masked_dense_path_s(kernel, monkeypatch, heads, shared, topk, kwargs, threads):
-    """routed_kernel_loops in training: the kernel's forward and compiled backward, against autograd
+@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE)
+@pytest.mark.parametrize("path", ["routed_kernel_loops", "masked_kernel_loops"])
+def test_the_loops_gradients_equal_the_masked_dense_path_s(kernel, monkeypatch, path, heads, shared, topk, kwargs,
+                                                           threads):
+    """The loops paths in training: the kernel's forward and compiled backward, against autograd
     through the masked dense path (every parameter, the input; the load-balancing loss included)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_loops_gradients(kernel, monkeypatch, heads, shared, topk, kwargs)
+        _check_loops_gradients(kernel, monkeypatch, path, heads, shared, topk, kwargs)
     finally:
         torch.set_num_threads(previous)
 
 
-def _check_loops_gradients(kernel, monkeypatch, heads, shared, topk, kwargs):
+def _check_loops_gradients(kernel, monkeypatch, path, heads, shared, topk, kwargs):
     m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs).train()
-    if routed_kernel.routed_kernel_supported(m) is not None:
+    if path not in m.paths:
         return
     x = torch.randn(3, 21, 80)
     weight = torch.randn(3, 21, 80)
     calls = _counted(monkeypatch, kernel)
     grads = {}
-    for path in ("masked_dense", "routed_kernel_loops"):
+    for name in ("masked_dense", path):
         m.zero_grad()
         x_path = x.clone().requires_grad_()
-        out = PATHS[path](m, x_path)
+        out = PATHS[name](m, x_path)
         aux = m.router.aux_loss  # None for a dense layer: nothing routed to balance
         ((out * weight).sum() + (aux if aux is not None else 0)).backward()
-        grads[path] = {"out": out.detach(), "x": x_path.grad, **{n: p.grad for n, p in m.named_parameters()}}
+        grads[name] = {"out": out.detach(), "x": x_path.grad, **{n: p.grad for n, p in m.named_parameters()}}
     assert calls == [1]
-    reference, loops = grads["masked_dense"], grads["routed_kernel_loops"]
+    reference, loops = grads["masked_dense"], grads[path]
     assert reference.keys() == loops.keys()
     for name, value in reference.items():
         if value is None:
@@ -229,5 +275,5 @@ def test_without_mkl_gemms_only_the_loops_run(kernel, monkeypatch):
         m.impl = "auto"
         m(x)
     assert set(m.path_log["[2, 9, 48] float32"].times_ms) == {
-        "masked_dense", "dense_projections", "sparse_projections", "routed_kernel_loops"
+        "masked_dense", "dense_projections", "sparse_projections", "routed_kernel_loops", "masked_kernel_loops"
     }

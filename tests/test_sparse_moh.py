@@ -109,7 +109,7 @@ def test_auto_leaves_the_masked_path_in_eval_only():
     from visattn.attention.impl_probe import ImplProbe, use_impl_probe
 
     fast = {"masked_dense": 3.0, "dense_projections": 2.0, "sparse_projections": 1.0, "routed_kernel": 4.0,
-            "routed_kernel_loops": 4.0}
+            "routed_kernel_loops": 4.0, "masked_kernel_loops": 4.0}
     m = _moh(shared_heads=1, routed_topk=1)
     x = torch.randn(2, 5, 32)
     with use_impl_probe(ImplProbe(timer=lambda path, run: fast[path])):

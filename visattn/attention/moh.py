@@ -12,6 +12,9 @@ Paths (all equal to the masked dense one up to float rounding):
 - ``routed_kernel`` / ``routed_kernel_loops``: the same, with the heads per image in one compiled pass
   (MKL's GEMMs for the routed heads / the kernel's own loops for every head, float32;
   ``visattn.attention.routed_kernel``; ``sparse_projections`` where the kernel cannot run);
+- ``masked_kernel_loops``: the masked dense computation in that kernel's loops (every head for every
+  token, no gathers; float32), faster than both where most routed heads are on; ``masked_dense``
+  where the kernel cannot run;
 - ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
   batched matmuls (``visattn.attention.head_gather``).
 
@@ -33,10 +36,13 @@ from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
 from .routed_kernel import (
     KERNEL_PATHS,
+    MASKED_KERNEL_PATH,
     kernel_runs,
+    masked_kernel_supported,
     preferred_kernel_path,
     routed_kernel_forward,
     routed_kernel_supported,
+    uses_loops,
 )
 from .routing import default_budget
 from .sparse import (
@@ -53,6 +59,7 @@ PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
     "sparse_projections": lambda attn, x: sparse_moh_forward(attn, x, projections="sparse"),
     "routed_kernel": lambda attn, x: routed_kernel_forward(attn, x, loops=False),
     "routed_kernel_loops": lambda attn, x: routed_kernel_forward(attn, x, loops=True),
+    MASKED_KERNEL_PATH: lambda attn, x: routed_kernel_forward(attn, x, loops=True, every_head=True),
     "head_gather": lambda attn, x: head_gather_forward(attn, x, output="rows"),
     "head_gather_dense_out": lambda attn, x: head_gather_forward(attn, x, output="dense"),
 }
@@ -72,13 +79,15 @@ def available_paths(attn: HeadAttention) -> list[str]:
     router = attn.router
     if sparse_moh_supported(attn) is not None:
         return paths
-    if router.routed_topk == 0:
+    if router.routed_topk == 0:  # routed_kernel_loops is masked_kernel_loops' computation here
         return paths + (["routed_kernel_loops"] if routed_kernel_supported(attn) is None else [])
     paths.append("dense_projections")
     if router.routing == "token_choice" and router.router_kind == "linear":
         paths.append("sparse_projections")
     if routed_kernel_supported(attn) is None:
-        paths += KERNEL_PATHS
+        paths += ["routed_kernel", "routed_kernel_loops"]
+    if masked_kernel_supported(attn) is None:
+        paths.append(MASKED_KERNEL_PATH)
     if head_gather_supported(attn) is None:
         paths += ["head_gather", "head_gather_dense_out"]
     return paths
@@ -238,7 +247,7 @@ class MoHAttention(HeadAttention):
         dtype = compute_dtype(x)
         probe = impl_probe()
         # the kernel paths that run here (the others would time sparse_projections again)
-        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_runs(self, x, p == "routed_kernel_loops"))
+        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_runs(self, x, uses_loops(p)))
         recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, kernels)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:

@@ -12,10 +12,16 @@ the image's output rows), so the output stays in cache and nothing is padded.
 - ``routed_kernel_loops`` (float32): every head in the kernel, whose GEMMs are its own loops. At the
   study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call costs more than its work. With
   gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's attention.
+- ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: every head for
+  every token, as the kernel runs shared heads (one query and one output GEMM for all of them, no
+  gathers), unselected pairs zeroed by their gates. Where most routed heads are on per token (the
+  study's MoH-90 layers, 3 of 4), gathering their tokens cost more than the skipped pairs: at the
+  study ViT's layer this path took 0.98x ``mha``'s time against 1.09x for ``routed_kernel_loops`` and
+  1.12x for ``masked_dense`` (docs/benchmarks.md). Where the kernel cannot run it is ``masked_dense``.
 
-``impl="auto"`` times both where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
+``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
 dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
-``VISATTN_KERNELS=0``), either path is ``sparse_projections``, the same computation in PyTorch; the
+``VISATTN_KERNELS=0``), the first two are ``sparse_projections``, the same computation in PyTorch; the
 tests hold them equal. So it is under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
 the executed FLOPs counted for these paths are ``sparse_projections``' (the same pairs; its grouped
 attention also computes the padding rows).
@@ -32,7 +38,8 @@ from .base import HeadAttention
 from .fused_gating import functorch_active
 from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
 
-KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops")
+KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", "masked_kernel_loops")
+MASKED_KERNEL_PATH = "masked_kernel_loops"
 # impl="sparse" takes routed_kernel_loops up to this many query weights per head (dim x head width):
 # the study's layers (96 x 12, 64 x 8) ran faster on the loops, ViT-S (384 x 64) and DiT-B (768 x 64)
 # on MKL (docs/benchmarks.md). impl="auto" measures instead.
@@ -52,6 +59,24 @@ def routed_kernel_supported(attn: HeadAttention) -> str | None:
     if not isinstance(attn.q_norm, torch.nn.Identity):
         return "qk_norm normalises the routed queries, which the kernel does not"
     return None
+
+
+def masked_kernel_supported(attn: HeadAttention) -> str | None:
+    """None when ``attn`` can run ``masked_kernel_loops`` (any routing with the linear router: the gates
+    come from x alone, and no query norm), else why not."""
+    router = attn.router
+    if router is None:
+        return "the layer does not route heads"
+    if router.router_kind != "linear":
+        return "the l2norm router scores the queries, which the kernel computes itself"
+    if not isinstance(attn.q_norm, torch.nn.Identity):
+        return "qk_norm normalises the queries, which the kernel does not"
+    return None
+
+
+def uses_loops(path: str) -> bool:
+    """Whether kernel path ``path`` runs the kernel's own loops (float32, with a backward)."""
+    return path != "routed_kernel"
 
 
 def preferred_kernel_path(attn: HeadAttention) -> str:
@@ -77,26 +102,34 @@ def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bo
     )
 
 
-def routed_kernel_forward(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> torch.Tensor:
+def routed_kernel_forward(
+    attn: HeadAttention, x: torch.Tensor, loops: bool = False, every_head: bool = False
+) -> torch.Tensor:
     """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
-    ``routed_kernel`` (or ``routed_kernel_loops`` with ``loops``). Call only when
-    ``routed_kernel_supported(attn)`` is None."""
+    ``routed_kernel`` (or ``routed_kernel_loops`` with ``loops``; ``masked_kernel_loops`` with
+    ``every_head`` too). Call only when ``routed_kernel_supported(attn)`` (``masked_kernel_supported``
+    for ``every_head``) is None."""
     if not kernel_runs(attn, x, loops) or _get_current_dispatch_mode() is not None:
-        return sparse_moh_forward(attn, x, projections="sparse")
+        return attn.dense_forward(x) if every_head else sparse_moh_forward(attn, x, projections="sparse")
     dtype = compute_dtype(x)
     op = moh_routed_heads_op(dtype, blas=not loops)
     B, N, C = x.shape
     T = B * N
     H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
-    shared = attn.router.shared_heads
     x = x.to(dtype).contiguous()
 
     kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
     k, v = torch.nn.functional.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
     k = attn.k_norm(k.transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
     v = v.transpose(1, 2)
-    gates, selected = attn.route(x, None)  # [B, N, H] each
-    routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
+    if every_head:  # every head as the kernel runs shared ones; the gates are 0 where a head is off
+        shared = H
+        gates, _ = attn.route(x, None, selection=False)  # [B, N, H]
+        routed_mask = x.new_zeros((0, T), dtype=torch.bool)
+    else:
+        shared = attn.router.shared_heads
+        gates, selected = attn.route(x, None)  # [B, N, H] each
+        routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
 
     if loops and needs_grad(attn, x):
         wq = attn.qkv.weight[: attn.attn_dim]
