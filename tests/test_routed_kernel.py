@@ -51,12 +51,22 @@ LAYERS = [  # (heads, shared, topk, kwargs)
 ]
 
 
-@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops"])
-@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS)
+HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
+SUPPORTED = {  # why a layer lacks the path, or None
+    "routed_kernel": routed_kernel.routed_kernel_supported, "routed_kernel_loops": routed_kernel.routed_kernel_supported,
+    "masked_kernel_loops": routed_kernel.masked_kernel_supported,
+}
+
+
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops"])
+@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE + [(8, 2, 2, {"router": "l2norm"})])
 @pytest.mark.parametrize("B, N", [(3, 17), (1, 1), (2, 70)])  # 70 tokens: column blocks of 64 + a tail
 def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, heads, shared, topk, kwargs, B, N):
+    """Each kernel path against the masked dense path, and the skipping ones against their PyTorch
+    fallback. A dense layer (routed_topk=0) has no masked_kernel_loops: routed_kernel_loops is the same
+    computation there."""
     m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)  # 80 wide: output blocks 64 + 16
-    if routed_kernel.routed_kernel_supported(m) is not None:
+    if SUPPORTED[path](m) is not None or (path == "masked_kernel_loops" and topk == 0):
         assert path not in m.paths
         with pytest.raises(ValueError, match=path):
             m.impl = path
@@ -66,36 +76,11 @@ def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, head
     with torch.no_grad():
         ref = m.dense_forward(x)
         out = PATHS[path](m, x)
-        fallback = PATHS["sparse_projections"](m, x)
+        fallback = PATHS["sparse_projections" if path.startswith("routed") else "masked_dense"](m, x)
     assert calls == [1]
     tol = 1e-5 * ref.abs().max().item()  # float32 rounding of sums in another order
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=tol)
     torch.testing.assert_close(out, fallback, rtol=1e-5, atol=tol)
-
-
-HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
-
-
-@pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE + [(8, 2, 2, {"router": "l2norm"})])
-@pytest.mark.parametrize("B, N", [(3, 17), (2, 70)])
-def test_every_head_in_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, heads, shared, topk, kwargs, B, N):
-    """masked_kernel_loops: every head for every token in the loops kernel, unselected pairs zeroed by
-    their gates; offered wherever the router's gates need x alone, except dense layers, where
-    routed_kernel_loops is the same computation."""
-    m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)
-    path = "masked_kernel_loops"
-    if routed_kernel.masked_kernel_supported(m) is not None or topk == 0:
-        assert path not in m.paths
-        with pytest.raises(ValueError, match=path):
-            m.impl = path
-        return
-    x = torch.randn(B, N, 80)
-    calls = _counted(monkeypatch, kernel)
-    with torch.no_grad():
-        ref = m.dense_forward(x)
-        out = PATHS[path](m, x)
-    assert calls == [1]
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_every_head_in_the_kernel_falls_back_to_the_masked_dense_path(kernel, monkeypatch):
