@@ -36,7 +36,7 @@ def reference_route(router, x, q=None):
         scores = torch.linalg.vector_norm(q[:, S:].float(), dim=-1).transpose(1, 2)
     probs = F.softmax(scores, dim=-1)
     if router.routing == "head_choice":
-        selected = head_choice_selection(probs, k, E)
+        selected = head_choice_selection(probs.transpose(1, 2), k, E).transpose(1, 2)  # rows: one head, one image
         routed = selected.float() + (probs - probs.detach()) if binary else probs * selected * E
     else:
         _, top = probs.topk(k, dim=-1)

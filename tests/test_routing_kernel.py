@@ -7,6 +7,7 @@ import torch
 
 import visattn.kernels as kernels
 from visattn.attention import build_attention
+from visattn.attention.routing import head_capacity, head_choice_selection
 from visattn.utils.flops import flop_counter
 
 BUDGETS = [  # (heads, shared, topk, two_stage)
@@ -83,6 +84,30 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
     assert calls == [1]
     layer.train()(x)  # gradients on: the kernel and its backward (test_fused_gating.py)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("rows, N, topk, pool", [(1024, 17, 2, 4), (96, 49, 3, 4), (10, 197, 2, 5), (7, 1, 1, 4),
+                                                 (5, 3, 1, 3)])
+def test_head_choice_selection_compiled_equals_pytorch_ties_and_nan_included(kernel, rows, N, topk, pool):
+    """Head choice's selection per (head, image) row: the compiled op and the stable sort behind it pick
+    the same tokens, ties to the lower index, NaN first (as topk ranks it)."""
+    torch.manual_seed(N)
+    probs = torch.rand(rows, N).round(decimals=1)  # many exact ties
+    probs[0] = 0.5  # a row of equals: its first tokens
+    probs[rows // 2, N // 2] = float("nan")
+    capacity = head_capacity(N, topk, pool)
+    chosen = head_choice_selection(probs, topk, pool)
+    with kernels.disabled():
+        assert torch.equal(head_choice_selection(probs, topk, pool), chosen)
+    assert chosen.dtype == torch.bool and (chosen.sum(-1) == capacity).all()
+    assert chosen[0, :capacity].all() and not chosen[0, capacity:].any()
+    assert chosen[rows // 2, N // 2]
+    for row, mask in zip(probs[1:rows // 2], chosen[1:rows // 2], strict=True):
+        kept, dropped = row[mask], row[~mask]
+        if dropped.numel():  # every kept value >= every dropped one, and ties kept from the left
+            assert kept.min() >= dropped.max()
+            tie = row == kept.min()
+            assert mask[tie].tolist() == sorted(mask[tie].tolist(), reverse=True)
 
 
 def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeypatch, tmp_path, caplog):

@@ -77,11 +77,26 @@ def head_capacity(tokens: int, routed_topk: int, pool: int) -> int:
 @torch.fx.wrap
 @register_notrace_function  # a leaf for torch.fx: the capacity depends on the (symbolic) token count
 def head_choice_selection(probs: torch.Tensor, routed_topk: int, pool: int) -> torch.Tensor:
-    """probs [B, N, E] -> bool [B, N, E]: True for the ``head_capacity`` tokens of each image with the
-    highest probability for each routed head."""
-    capacity = head_capacity(probs.shape[1], routed_topk, pool)
-    _, top = probs.topk(capacity, dim=1)  # [B, c, E]
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
+    """probs [..., N] (a routed head's probabilities over one image's N tokens in each row) -> bool, the
+    same shape: True for the row's ``head_capacity`` highest, ties to the lower token index (NaN above
+    any number). Deterministic, so the compiled selection (``moh_head_choice``: topk and sort cost ten
+    times the row's work on a CPU) and the PyTorch one below choose the same tokens."""
+    N = probs.shape[-1]
+    capacity = head_capacity(N, routed_topk, pool)
+    if not torch.jit.is_scripting():
+        compiled = _compiled_head_choice(probs, capacity)
+        if compiled is not None:
+            return compiled
+    _, order = probs.sort(dim=-1, descending=True, stable=True)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order[..., :capacity], True)
+
+
+@torch.jit.unused
+def _compiled_head_choice(probs: torch.Tensor, capacity: int) -> torch.Tensor | None:
+    """``head_choice_selection`` by the compiled kernel, or None where it does not run."""
+    if probs.dtype != torch.float32 or not eager_cpu_kernels(probs):
+        return None
+    return torch.ops.visattn.moh_head_choice(probs.reshape(-1, probs.shape[-1]), capacity).view(probs.shape)
 
 
 class HeadRouter(nn.Module):
@@ -277,8 +292,7 @@ class HeadRouter(nn.Module):
         if E > 0:
             probs = torch.softmax(self._scores(x, q, logits, S if shared_lin is not None else 0), 0)
             if self.routing == "head_choice":
-                chosen = head_choice_selection(probs.view(E, B, N).permute(1, 2, 0), k, E)  # [B, N, E]
-                mask = chosen.permute(2, 0, 1).reshape(E, T).to(probs.dtype)
+                mask = head_choice_selection(probs.view(E, B, N), k, E).view(E, T).to(probs.dtype)
             else:
                 # NaN (a non-finite input) ranks first, as topk ranks it, so every token keeps k heads
                 ranked = torch.nan_to_num(probs, nan=2.0) if selection else probs
