@@ -5,7 +5,8 @@
   ``moh_gates_backward``, ``moh_gated_merge[_backward]``, ``moh_gated_proj[_backward]``, the last with
   MKL's SGEMM; ``visattn.attention.fused_gating``). ``HeadRouter`` uses it in every
   mode, where the PyTorch formulation costs about 20 small operations a layer each way (half the
-  routing's time at the study's sizes; docs/benchmarks.md).
+  routing's time at the study's sizes; docs/benchmarks.md). The same library holds head choice's
+  selection (``moh_head_choice``) and the per-image head load (``moh_head_load``).
 - ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
   selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
   ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch

@@ -391,6 +391,31 @@ at::Tensor moh_gates_backward(const at::Tensor& logits_in, const at::Tensor& kee
   return out;
 }
 
+// keep [E, T] (1 where a token chose routed head e, tokens image-major, `tokens` per image) -> [B, S + E]:
+// each image's share of tokens per head, 1 for the S shared heads (HeadRouter.head_load, the load
+// plots' statistic). ATen's mean, pad and transpose cost more than the routing pass itself at the
+// study's sizes (86 against 65 us a layer).
+at::Tensor moh_head_load(const at::Tensor& keep_in, int64_t tokens, int64_t S) {
+  TORCH_CHECK(keep_in.dim() == 2 && keep_in.scalar_type() == at::kFloat, "moh_head_load: keep must be [E, T] float32");
+  TORCH_CHECK(tokens > 0 && keep_in.size(1) % tokens == 0 && S >= 0, "moh_head_load: ", keep_in.size(1),
+              " tokens are not whole images of ", tokens);
+  auto keep = keep_in.contiguous();
+  const int64_t E = keep.size(0), B = keep.size(1) / tokens, H = S + E;
+  auto out = at::empty({B, H}, keep.options());
+  const float* K = keep.data_ptr<float>();
+  float* L = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < S; ++h) L[b * H + h] = 1.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      const float* row = K + e * B * tokens + b * tokens;
+      float sum = 0.0f;  // whole counts (0 or 1 each): exact in float32 up to 2^24 tokens
+      for (int64_t t = 0; t < tokens; ++t) sum += row[t];
+      L[b * H + S + e] = sum / static_cast<float>(tokens);  // as torch.mean: the sum divided by the count
+    }
+  }
+  return out;
+}
+
 namespace {
 
 // A float's place in head choice's order as an int: larger first, NaN above everything, -0 equal to +0.
@@ -633,6 +658,7 @@ TORCH_LIBRARY(visattn, m) {
   m.def("moh_gates(Tensor logits, int S, int E, int k, bool two_stage, bool shared_routed, float eps, bool with_aux) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moh_gates_backward(Tensor logits, Tensor keep, Tensor grad_gates, Tensor aux_grad, int S, int E, int k, bool two_stage, bool shared_routed, float eps) -> Tensor");
   m.def("moh_head_choice(Tensor scores, int capacity) -> Tensor");
+  m.def("moh_head_load(Tensor keep, int tokens, int S) -> Tensor");
   m.def("moh_gated_merge(Tensor heads, Tensor gates) -> Tensor");
   m.def("moh_gated_merge_backward(Tensor grad_out, Tensor heads, Tensor gates) -> (Tensor, Tensor)");
   m.def("moh_gated_proj(Tensor heads, Tensor gates, Tensor weight, Tensor? bias) -> Tensor");
@@ -642,6 +668,7 @@ TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_gates", &moh_gates);
   m.impl("moh_gates_backward", &moh_gates_backward);
   m.impl("moh_head_choice", &moh_head_choice);
+  m.impl("moh_head_load", &moh_head_load);
   m.impl("moh_gated_merge", &moh_gated_merge);
   m.impl("moh_gated_merge_backward", &moh_gated_merge_backward);
   m.impl("moh_gated_proj", &moh_gated_proj);
