@@ -110,6 +110,22 @@ def test_head_choice_selection_compiled_equals_pytorch_ties_and_nan_included(ker
             assert mask[tie].tolist() == sorted(mask[tie].tolist(), reverse=True)
 
 
+def test_head_choice_routing_with_and_without_the_kernels_is_the_same(kernel):
+    """Head choice runs its gates in PyTorch; its selection and the per-image head load come from the
+    compiled ops where they run: gates, selection and load bit for bit as the PyTorch code gives them."""
+    torch.manual_seed(0)
+    layer = build_attention("moh", 48, num_heads=8, shared_heads=2, routed_topk=3, routing="head_choice").eval()
+    x = torch.randn(3, 13, 48)
+    with torch.no_grad():
+        gates, selected = layer.router(x, None)
+        load = layer.router.head_load
+        with kernels.disabled():
+            ref_gates, ref_selected = layer.router(x, None)
+            ref_load = layer.router.head_load
+    assert torch.equal(gates, ref_gates) and torch.equal(selected, ref_selected) and torch.equal(load, ref_load)
+    assert load.shape == (3, 8) and (load[:, :2] == 1).all()
+
+
 def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeypatch, tmp_path, caplog):
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++")

@@ -91,6 +91,25 @@ def head_choice_selection(probs: torch.Tensor, routed_topk: int, pool: int) -> t
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order[..., :capacity], True)
 
 
+def image_head_load(keep: torch.Tensor, B: int, N: int, S: int) -> torch.Tensor:
+    """keep [E, B*N] (1 where a token chose routed head e, float) -> [B, S + E]: each image's share of
+    tokens per head, 1 for the S shared heads (``head_load``)."""
+    if not torch.jit.is_scripting():
+        compiled = _compiled_head_load(keep, N, S)
+        if compiled is not None:
+            return compiled
+    return F.pad(keep.view(keep.shape[0], B, N).mean(2), (0, 0, S, 0), value=1.0).t()
+
+
+@torch.jit.unused
+def _compiled_head_load(keep: torch.Tensor, N: int, S: int) -> torch.Tensor | None:
+    """``image_head_load`` by the compiled op (``moh_head_load``: a few us where ATen's mean, pad and
+    transpose took 86 at the study ViT's size, more than the routing pass), or None where it does not run."""
+    if N == 0 or keep.dtype != torch.float32 or not eager_cpu_kernels(keep):
+        return None
+    return torch.ops.visattn.moh_head_load(keep, N, S)
+
+
 @torch.jit.unused
 def _compiled_head_choice(probs: torch.Tensor, capacity: int) -> torch.Tensor | None:
     """``head_choice_selection`` by the compiled kernel, or None where it does not run."""
@@ -316,7 +335,7 @@ class HeadRouter(nn.Module):
             if len(masks) == 0:
                 self.head_load = x.new_ones((B, self.num_heads), dtype=torch.float32)
             else:
-                self.head_load = F.pad(masks[0].view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t()
+                self.head_load = image_head_load(masks[0], B, N, S)
         else:
             self.head_load = None
         if not selection:
@@ -350,10 +369,7 @@ class HeadRouter(nn.Module):
         gates, keep, aux = routed_gates(logits, budget, balanced)
         if balanced:
             self.aux_loss = aux
-        self.head_load = None
-        if keeps_stats():  # [B, H]: the shared heads' columns are 1 (as below)
-            load = torch.ops.visattn.moh_head_load(keep, N, S) if N else None  # a few us, against 86 for ATen's
-            self.head_load = load if load is not None else F.pad(keep.view(E, B, N).mean(2), (0, 0, S, 0), value=1.0).t()
+        self.head_load = image_head_load(keep, B, N, S) if keeps_stats() else None
         if not selection:
             return gates.view(B, N, self.num_heads), None
         chosen = torch.cat([x.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
