@@ -52,21 +52,15 @@ LAYERS = [  # (heads, shared, topk, kwargs)
 
 
 HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
-SUPPORTED = {  # why a layer lacks the path, or None
-    "routed_kernel": routed_kernel.routed_kernel_supported, "routed_kernel_loops": routed_kernel.routed_kernel_supported,
-    "masked_kernel_loops": routed_kernel.masked_kernel_supported,
-}
-
-
 @pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops"])
 @pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE + [(8, 2, 2, {"router": "l2norm"})])
 @pytest.mark.parametrize("B, N", [(3, 17), (1, 1), (2, 70)])  # 70 tokens: column blocks of 64 + a tail
 def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, heads, shared, topk, kwargs, B, N):
-    """Each kernel path against the masked dense path, and the skipping ones against their PyTorch
-    fallback. A dense layer (routed_topk=0) has no masked_kernel_loops: routed_kernel_loops is the same
-    computation there."""
+    """Each kernel path against the masked dense path, and against its PyTorch fallback (the skipping
+    paths: sparse_projections, for head choice head_gather). A dense layer (routed_topk=0) has no
+    masked_kernel_loops: routed_kernel_loops is the same computation there."""
     m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)  # 80 wide: output blocks 64 + 16
-    if SUPPORTED[path](m) is not None or (path == "masked_kernel_loops" and topk == 0):
+    if routed_kernel.routed_kernel_supported(m) is not None or (path == "masked_kernel_loops" and topk == 0):
         assert path not in m.paths
         with pytest.raises(ValueError, match=path):
             m.impl = path
@@ -76,7 +70,8 @@ def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, head
     with torch.no_grad():
         ref = m.dense_forward(x)
         out = PATHS[path](m, x)
-        fallback = PATHS["sparse_projections" if path.startswith("routed") else "masked_dense"](m, x)
+        with kernels.disabled():
+            fallback = PATHS[path](m, x)
     assert calls == [1]
     tol = 1e-5 * ref.abs().max().item()  # float32 rounding of sums in another order
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=tol)
@@ -239,10 +234,11 @@ def test_impl_sparse_prefers_the_kernel_and_the_path_list_names_it_where_it_appl
     assert _moh(dim=384, heads=6, shared=1, topk=2, impl="sparse").fixed_path == "routed_kernel"  # ViT-S
     assert _moh(topk=5, impl="sparse").fixed_path == "dense_projections"  # most of the pool per token
     assert {"routed_kernel", "routed_kernel_loops"} <= set(_moh().paths)
-    for kwargs in ({"routing": "head_choice"}, {"router": "l2norm"}):
-        m = _moh(**kwargs)
-        assert not any(path.startswith("routed_kernel") for path in m.paths)
-        assert "token choice" in routed_kernel.routed_kernel_supported(m)
+    assert {"routed_kernel", "routed_kernel_loops", "head_gather"} <= set(_moh(routing="head_choice").paths)
+    assert _moh(routing="head_choice", impl="sparse").fixed_path == "head_gather"
+    m = _moh(router="l2norm")
+    assert not any("kernel" in path for path in m.paths)
+    assert "l2norm" in routed_kernel.routed_kernel_supported(m)
     with pytest.raises(ValueError, match="impl='routed_kernel' is not available"):
         _moh(router="l2norm", impl="routed_kernel")
 

@@ -11,7 +11,8 @@ Paths (all equal to the masked dense one up to float rounding):
   (token choice with the linear router; ``visattn.attention.sparse``);
 - ``routed_kernel`` / ``routed_kernel_loops``: the same, with the heads per image in one compiled pass
   (MKL's GEMMs for the routed heads / the kernel's own loops for every head, float32;
-  ``visattn.attention.routed_kernel``; ``sparse_projections`` where the kernel cannot run);
+  ``visattn.attention.routed_kernel``; token or head choice; ``sparse_projections``, for head choice
+  ``head_gather``, where the kernel cannot run);
 - ``masked_kernel_loops``: the masked dense computation in that kernel's loops (every head for every
   token, no gathers; float32), faster than both where most routed heads are on; ``masked_dense``
   where the kernel cannot run;
@@ -38,7 +39,6 @@ from .routed_kernel import (
     KERNEL_PATHS,
     MASKED_KERNEL_PATH,
     kernel_runs,
-    masked_kernel_supported,
     preferred_kernel_path,
     routed_kernel_forward,
     routed_kernel_supported,
@@ -85,9 +85,7 @@ def available_paths(attn: HeadAttention) -> list[str]:
     if router.routing == "token_choice" and router.router_kind == "linear":
         paths.append("sparse_projections")
     if routed_kernel_supported(attn) is None:
-        paths += ["routed_kernel", "routed_kernel_loops"]
-    if masked_kernel_supported(attn) is None:
-        paths.append(MASKED_KERNEL_PATH)
+        paths += ["routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH]
     if head_gather_supported(attn) is None:
         paths += ["head_gather", "head_gather_dense_out"]
     return paths

@@ -1,7 +1,8 @@
-"""The compiled paths of token-choice MoH (``visattn/kernels/moh_routed_heads.cpp``).
+"""The compiled paths of MoH (``visattn/kernels/moh_routed_heads.cpp``), for token and head choice.
 
 Same work as ``sparse_projections`` (``visattn.attention.sparse``): keys and values for every token, and
-for each head only the queries, attention and output projection of the tokens that chose it. The
+for each head only the queries, attention and output projection of the tokens that chose it (the
+kernel reads the selection, whichever routing made it). The
 PyTorch version pays per routed head for index tensors, gathers, a zero-padded SDPA call and a narrow
 matmul, and sums the rows with an ``embedding_bag``; at these sizes that costs more than the skipped
 work. The kernel runs the heads per image in C++ (gather, q GEMM, attention, gate, W_O GEMM, add into
@@ -21,10 +22,11 @@ the image's output rows), so the output stays in cache and nothing is padded.
 
 ``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
 dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
-``VISATTN_KERNELS=0``), the first two are ``sparse_projections``, the same computation in PyTorch; the
-tests hold them equal. So it is under a Python dispatch mode (the FLOP counter, debug modes): the mode then sees every operation, and
-the executed FLOPs counted for these paths are ``sparse_projections``' (the same pairs; its grouped
-attention also computes the padding rows).
+``VISATTN_KERNELS=0``), the first two are ``sparse_projections`` (head choice: ``head_gather``), the
+same computation in PyTorch; the tests hold them equal. So it is under a Python dispatch mode (the FLOP
+counter, debug modes): the mode then sees every operation, and the executed FLOPs counted for these
+paths are the PyTorch path's (the same pairs; ``sparse_projections``' grouped attention also computes
+the padding rows).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from visattn.kernels import moh_routed_heads_op
 
 from .base import HeadAttention
 from .fused_gating import functorch_active
+from .head_gather import head_gather_forward
 from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
 
 KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", "masked_kernel_loops")
@@ -47,30 +50,18 @@ LOOPS_MAX_WEIGHTS = 16384
 
 
 def routed_kernel_supported(attn: HeadAttention) -> str | None:
-    """None when ``attn``'s routing suits the kernel (token choice, linear router, no query norm), else
-    why not. Whether it runs also depends on the input (``kernel_runs``). A dense layer (``routed_topk=0``:
-    every head on, soft weights) suits ``routed_kernel_loops`` only: nothing is skipped, but its loops
-    compute the study's small heads faster than SDPA does."""
-    router = attn.router
-    if router is None:
-        return "the layer does not route heads"
-    if router.routing != "token_choice" or router.router_kind != "linear":
-        return "the kernel serves token choice with the linear router"
-    if not isinstance(attn.q_norm, torch.nn.Identity):
-        return "qk_norm normalises the routed queries, which the kernel does not"
-    return None
-
-
-def masked_kernel_supported(attn: HeadAttention) -> str | None:
-    """None when ``attn`` can run ``masked_kernel_loops`` (any routing with the linear router: the gates
-    come from x alone, and no query norm), else why not."""
+    """None when ``attn``'s routing suits the kernel (the linear router, no query norm), else why not.
+    Whether it runs also depends on the input (``kernel_runs``). The kernel reads a selection, so head
+    choice suits it as token choice does. A dense layer (``routed_topk=0``: every head on, soft weights)
+    suits ``routed_kernel_loops`` only: nothing is skipped, but its loops compute the study's small
+    heads faster than SDPA does."""
     router = attn.router
     if router is None:
         return "the layer does not route heads"
     if router.router_kind != "linear":
         return "the l2norm router scores the queries, which the kernel computes itself"
     if not isinstance(attn.q_norm, torch.nn.Identity):
-        return "qk_norm normalises the queries, which the kernel does not"
+        return "qk_norm normalises the routed queries, which the kernel does not"
     return None
 
 
@@ -89,7 +80,7 @@ def needs_grad(attn: HeadAttention, x: torch.Tensor) -> bool:
 
 
 def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bool:
-    """Whether ``routed_kernel_forward(attn, x, loops)`` runs the kernel (else ``sparse_projections``),
+    """Whether ``routed_kernel_forward(attn, x, loops)`` runs the kernel (else its PyTorch equivalent),
     outside dispatch modes. With gradients only the loops have a backward (``_HeadsLoops``)."""
     dtype = compute_dtype(x)
     return (
@@ -107,10 +98,9 @@ def routed_kernel_forward(
 ) -> torch.Tensor:
     """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
     ``routed_kernel`` (or ``routed_kernel_loops`` with ``loops``; ``masked_kernel_loops`` with
-    ``every_head`` too). Call only when ``routed_kernel_supported(attn)`` (``masked_kernel_supported``
-    for ``every_head``) is None."""
+    ``every_head`` too). Call only when ``routed_kernel_supported(attn)`` is None."""
     if not kernel_runs(attn, x, loops) or _get_current_dispatch_mode() is not None:
-        return attn.dense_forward(x) if every_head else sparse_moh_forward(attn, x, projections="sparse")
+        return _same_in_pytorch(attn, x, every_head)
     dtype = compute_dtype(x)
     op = moh_routed_heads_op(dtype, blas=not loops)
     B, N, C = x.shape
@@ -150,6 +140,16 @@ def routed_kernel_forward(
     op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, routed_mask,
        gates.view(T, H), shared, first_head, loops, rows)
     return attn.proj_drop(rows.view(B, N, -1))
+
+
+def _same_in_pytorch(attn: HeadAttention, x: torch.Tensor, every_head: bool) -> torch.Tensor:
+    """The computation a kernel path makes, in PyTorch: masked dense for every head, else the selected
+    pairs only (``sparse_projections``; head choice's ``head_gather``, the same pairs in static shapes)."""
+    if every_head:
+        return attn.dense_forward(x)
+    if attn.router.routing == "head_choice":
+        return head_gather_forward(attn, x, output="rows")
+    return sparse_moh_forward(attn, x, projections="sparse")
 
 
 class _HeadsLoops(torch.autograd.Function):
