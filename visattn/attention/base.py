@@ -245,10 +245,10 @@ class HeadAttention(nn.Module):
             q, k, v, logits = self.project_qkv_and_logits(x)
         else:
             if self.router_columns and not torch.jit.is_scripting() and self.autocast_on(x):
-                # Under autocast the qkv and the router's matmuls would each cast x (a third of the
-                # router's cost at ViT-S in bf16), so x is cast once, as autocast would. The logits do
-                # not come from the qkv matmul here: their 7 extra columns misalign its rows, which made
-                # the matmul and SDPA on its q/k/v views 2-3 ms slower (docs/benchmarks.md).
+                # Under autocast the qkv and the router's matmuls would each cast x (the second cast was
+                # most of the router's cost at ViT-S in bf16), so x is cast once, as autocast would. The
+                # logits do not come from the qkv matmul here: their 7 extra columns misalign its rows,
+                # which made the matmul and SDPA on its q/k/v views 2-3 ms slower (docs/benchmarks.md).
                 x = x.to(torch.get_autocast_dtype(x.device.type))
             q, k, v = self.project_qkv(x)
         gates, _ = self.route(x, q, selection=False, logits=logits)

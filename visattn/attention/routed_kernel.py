@@ -41,8 +41,8 @@ from .fused_gating import functorch_active
 from .head_gather import head_gather_forward
 from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
 
-KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", "masked_kernel_loops")
 MASKED_KERNEL_PATH = "masked_kernel_loops"
+KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH)
 # impl="sparse" takes routed_kernel_loops up to this many query weights per head (dim x head width):
 # the study's layers (96 x 12, 64 x 8) ran faster on the loops, ViT-S (384 x 64) and DiT-B (768 x 64)
 # on MKL (docs/benchmarks.md). impl="auto" measures instead.
