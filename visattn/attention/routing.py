@@ -352,23 +352,32 @@ class HeadRouter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``forward``'s result from the compiled kernel (``visattn.kernels``; with gradients through
         ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
-        below runs: head choice, binary gates, the l2norm router, a dense layer of one shared head, or where
-        ``eager_cpu_kernels`` says no (another device, torch.compile / fx tracing, a Python dispatch
-        mode such as the FLOP counter, no kernel on this machine)."""
+        below runs: head choice with gradients, binary gates, the l2norm router, a dense layer of one
+        shared head, or where ``eager_cpu_kernels`` says no (another device, torch.compile / fx tracing,
+        a Python dispatch mode such as the FLOP counter, no kernel on this machine)."""
         # a dense layer (routed_topk=0) has no pool: its soft weights need the shared router
         linear = self.routed is not None or (self.pool == 0 and self.shared is not None)
-        if self.routing != "token_choice" or self.gate_mode != "soft" or not linear or not eager_cpu_kernels(x):
+        if self.gate_mode != "soft" or not linear or not eager_cpu_kernels(x):
             return None
+        B, N, _ = x.shape
+        S, E = self.shared_heads, self.pool
+        head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
+        if head_choice and (N == 0 or torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters()))):
+            return None  # head choice's compiled gates have no backward
         if logits is None:
             logits = self._logits(x)
         assert logits is not None
-        B, N, _ = x.shape
-        S, E = self.shared_heads, self.pool
-        budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-        balanced = self.training and E > 0  # the load-balancing loss of a routed pool
-        gates, keep, aux = routed_gates(logits, budget, balanced)
-        if balanced:
-            self.aux_loss = aux
+        if head_choice:
+            gates, keep = torch.ops.visattn.moh_head_choice_gates(
+                logits, S, E, head_capacity(N, self.routed_topk, E), N, self.mix is not None, self.shared is not None
+            )
+        else:
+            budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+            balanced = self.training and E > 0  # the load-balancing loss of a routed pool
+            gates, keep, aux = routed_gates(logits, budget, balanced)
+            if balanced:
+                self.aux_loss = aux
         self.head_load = image_head_load(keep, B, N, S) if keeps_stats() else None
         if not selection:
             return gates.view(B, N, self.num_heads), None
