@@ -85,7 +85,7 @@ def available_paths(attn: HeadAttention) -> list[str]:
     if router.routing == "token_choice" and router.router_kind == "linear":
         paths.append("sparse_projections")
     if routed_kernel_supported(attn) is None:
-        paths += ["routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH]
+        paths += KERNEL_PATHS
     if head_gather_supported(attn) is None:
         paths += ["head_gather", "head_gather_dense_out"]
     return paths
