@@ -16,9 +16,9 @@ heads, routed_topk, routing, router kind). Identical layers of a model share one
 Timing (``default_timer``: this thread's CPU time with one intra-op thread, wall time with several
 or on CUDA): one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
 then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another's best time
-beats it by more than ``margin`` and that path was also faster in every round, so noise cannot
-easily trade it for a path that is really slower. A probe costs about (1 + repeats) forwards of
-each competitive path, once per key and process. It runs under ``torch.no_grad`` and outside any
+beats it by more than ``margin`` and that path was also faster in most rounds (``pick_path``), so
+noise cannot easily trade it for a path that is really slower. A probe costs about (1 + repeats)
+forwards of each competitive path, once per key and process. It runs under ``torch.no_grad`` and outside any
 dispatch mode (e.g. the FLOP counter), so it neither builds graphs nor counts as the model's work.
 
 Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
@@ -146,16 +146,25 @@ def time_paths(
 
 
 def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float) -> str:
-    """The path with the lowest best time, if it beats ``reference`` by more than ``margin`` (a
-    fraction) in its best time and also in every round both were timed in (drift on a shared machine
-    slows both in a round, a burst of load only one); else ``reference``. Ties go to the earlier path."""
+    """The path with the lowest best time that beats ``reference`` by more than ``margin`` (a fraction)
+    in its best time and was also faster than it in most of the rounds both were timed in; else
+    ``reference``. Ties go to the earlier path.
+
+    Most rounds, not every one: with a single thread's CPU time the rounds still differ by a few
+    percent, and requiring every round kept the masked dense path for layers whose kernel path was 9%
+    faster at its best (the study ViT's MoH-90 layers: 0.926x MHA's images/s instead of 0.97-0.98x).
+    A burst of load that slows one path in one round is still outvoted. A path that fails the test
+    does not hide the next fastest one."""
     best = {name: min(times) for name, times in samples.items()}
-    fastest = min(best, key=lambda name: best[name])
-    if reference not in samples or fastest == reference:
-        return fastest
-    paired = zip(samples[fastest], samples[reference], strict=False)
-    if best[fastest] < best[reference] * (1 - margin) and all(a < b for a, b in paired):
-        return fastest
+    if reference not in samples:
+        return min(best, key=lambda name: best[name])
+    for name in sorted(best, key=lambda name: best[name]):  # stable: ties keep the earlier path
+        if name == reference:
+            return reference
+        paired = list(zip(samples[name], samples[reference], strict=False))
+        wins = sum(a < b for a, b in paired)
+        if best[name] < best[reference] * (1 - margin) and 2 * wins > len(paired):
+            return name
     return reference
 
 
@@ -179,7 +188,7 @@ class ImplProbe:
     def __init__(
         self,
         timer: Timer = default_timer,
-        repeats: int = 3,
+        repeats: int = 5,
         margin: float = 0.02,
         give_up: float = 3.0,
         disk_dir: Path | str | None = None,

@@ -54,7 +54,7 @@ def choose_train_paths(
     forward: Callable[[], object],
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     timer: Callable[[str, Callable[[], object]], float] | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
     margin: float = 0.02,
     give_up: float = 3.0,
 ) -> dict[str, Any]:
@@ -66,8 +66,8 @@ def choose_train_paths(
     forward and backward (``torch.autograd.grad``: no ``.grad`` is touched) on that input through both
     paths, under ``autocast()`` (the run's mixed precision), timed as ``impl_probe`` times (``timer``,
     ``default_timer`` when None; ``repeats``, ``give_up``), and keeps the kernel path only if it beats
-    the masked dense one by more than ``margin`` in every round. Layers of one signature and input
-    shape share a measurement. Where the kernel does not run (bf16, a GPU, no toolchain) nothing is
+    the masked dense one by more than ``margin`` (``pick_path``). Layers of one signature and input shape
+    share a measurement. Where the kernel does not run (bf16, a GPU, no toolchain) nothing is
     timed. The probe leaves no trace: the model's mode, buffers, gradients and torch's CPU random
     state are as before.
     """
