@@ -367,47 +367,29 @@ void transpose_into(const T* src, int64_t rows, int64_t cols, int64_t ld, std::v
     for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = src[i * ld + j];
 }
 
-// The gradients of heads_loops (every head, first_head = 0, no dropout), recomputing each head's
-// queries and attention per image as flash attention's backward does. Image-owned gradients (x's rows,
-// keys, values, gates) are written by the thread that owns the image; the weight gradients are summed
-// in one buffer per thread, then added up.
-void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* dx, float* dwq, float* dbq,
-                          float* dwo, float* dk, float* dv, float* dgates) {
-  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co, H = p.H, Hkv = p.Hkv;
+// The gradients of heads_loops (every head, first_head = 0, no dropout), given every token's queries q
+// [T, H*d] and its output gradient through each head's slice of W_O, gz = grad_out @ W_O [T, H*d] (both
+// computed by the caller with whole-tensor matmuls). Per image and head, for the chosen tokens only: the
+// attention is recomputed (as flash attention's backward does), then its gradients: dk and dv (added
+// into), the gates' (dgates), and, into rows of [T, H*d] buffers that are zero elsewhere, the gated head
+// output z = gate * o (for W_O's gradient) and the queries' gradient dq (for x's, W_q's and b_q's). Each
+// image's rows are written by the thread that owns it.
+void heads_loops_backward(const Heads<float>& p, const float* q_all, const float* gz_all, float* z_all,
+                          float* dq_all, float* dk, float* dv, float* dgates) {
+  const int64_t N = p.N, d = p.d, H = p.H, Hkv = p.Hkv, Hd = H * d;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const int64_t dp = padded(d), Cp = padded(C), Np = padded(N);
-  std::vector<float> wq_t(H * C * dp, 0.f), wq_rows(H * d * Cp, 0.f), wo_rows(H * Co * dp, 0.f);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t r = 0; r < d; ++r) {
-      for (int64_t c = 0; c < C; ++c) {
-        wq_t[(h * C + c) * dp + r] = p.wq[(h * d + r) * C + c];  // W_q[h]^T [C, d]
-        wq_rows[(h * d + r) * Cp + c] = p.wq[(h * d + r) * C + c];  // W_q[h] [d, C]
-      }
-      for (int64_t c = 0; c < Co; ++c) wo_rows[(h * Co + c) * dp + r] = p.wo[c * p.ldwo + h * d + r];  // W_O[:, h] [Co, d]
-    }
-  // per thread (a thread may run several chunks of images): [H*d, C], [H*d], [H][Co][d]
-  const int threads = at::get_num_threads();
-  std::vector<std::vector<float>> dwq_t(threads, std::vector<float>(H * d * C, 0.f));
-  std::vector<std::vector<float>> dbq_t(threads, std::vector<float>(H * d, 0.f));
-  std::vector<std::vector<float>> dwo_t(threads, std::vector<float>(H * Co * d, 0.f));
-
+  const int64_t dp = padded(d), Np = padded(N);
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
-    const int tid = at::get_thread_num();
-    auto& dwq_acc = dwq_t[tid];
-    auto& dbq_acc = dbq_t[tid];
-    auto& dwo_acc = dwo_t[tid];
     std::vector<int64_t> rows;
-    std::vector<float> k_t, v_p, k_p, v_t, xg, q, s, o, gz, z_p, do_p, q_p, dprobs, dq, tr, g_t;
+    std::vector<float> k_t, v_p, k_p, v_t, s, o, do_p, q_p, dprobs, tr;
     for (int64_t b = b0; b < b1; ++b) {
-      const float* x_rows = p.x + b * N * C;
-      const float* g_rows = grad_out + b * N * Co;
-      transpose_into(g_rows, N, Co, Co, g_t);  // the image's output gradient, transposed: [Co, N]
+      const float* q_img = q_all + b * N * Hd;
+      const float* gz_img = gz_all + b * N * Hd;
       int64_t kv_loaded = -1;
       for (int64_t h = 0; h < H; ++h) {
         chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
         const int64_t m = static_cast<int64_t>(rows.size());
         if (m == 0) continue;
-        const int64_t* index = m < N ? rows.data() : nullptr;
         const int64_t kvh = h / p.group;
         if (kv_loaded != kvh) {
           transpose_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_t);    // K^T [d, Np]
@@ -416,37 +398,29 @@ void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* d
           transpose_padded(p.values(b, kvh), N, d, p.v_stride[2], v_t);  // V^T [d, Np]
           kv_loaded = kvh;
         }
-        // recompute: q, probabilities, the head's output
-        q.resize(m * d);
-        small_gemm(m, d, C, 1.f, x_rows, C, index, &wq_t[h * C * dp], dp, q.data(), d, nullptr, false);
-        if (p.bq)
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t c = 0; c < d; ++c) q[i * d + c] += p.bq[h * d + c];
+        // recompute: probabilities, the head's output
         s.resize(m * N);
-        small_gemm(m, N, d, scale, q.data(), d, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
+        small_gemm(m, N, d, scale, q_img + h * d, Hd, rows.data(), k_t.data(), Np, s.data(), N, nullptr, false);
         for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
         o.resize(m * d);
         small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, o.data(), d, nullptr, false);
-        // through the output projection and the gate
-        gz.resize(m * d);
-        small_gemm(m, d, Co, 1.f, g_rows, Co, index, &wo_rows[h * Co * dp], dp, gz.data(), d, nullptr, false);
-        z_p.assign(m * dp, 0.f);
+        // the gate: dgates, z = g o (W_O's input), and the head output's gradient g gz
         do_p.assign(m * dp, 0.f);
+        q_p.assign(m * dp, 0.f);
         for (int64_t i = 0; i < m; ++i) {
-          const int64_t n = rows[i];
+          const int64_t n = rows[i], t = b * N + n;
           const float g = p.gate(b, n, h);
+          const float* gz = gz_img + n * Hd + h * d;
+          float* z = z_all + t * Hd + h * d;
           float dg = 0.f;
           for (int64_t c = 0; c < d; ++c) {
-            dg += gz[i * d + c] * o[i * d + c];
-            z_p[i * dp + c] = g * o[i * d + c];
-            do_p[i * dp + c] = g * gz[i * d + c];
+            dg += gz[c] * o[i * d + c];
+            z[c] = g * o[i * d + c];
+            do_p[i * dp + c] = g * gz[c];
           }
-          dgates[(b * N + n) * H + h] = dg;
+          dgates[t * H + h] = dg;
+          std::memcpy(&q_p[i * dp], q_img + n * Hd + h * d, d * sizeof(float));
         }
-        tr.resize(Co * m);  // the chosen tokens' output gradients, transposed: [Co, m]
-        for (int64_t c = 0; c < Co; ++c)
-          for (int64_t i = 0; i < m; ++i) tr[c * m + i] = g_t[c * N + rows[i]];
-        small_gemm(Co, d, m, 1.f, tr.data(), m, nullptr, z_p.data(), dp, &dwo_acc[h * Co * d], d, nullptr, true);
         // attention's backward
         transpose_into(s.data(), m, N, N, tr);  // P^T [N, m]
         small_gemm(N, d, m, 1.f, tr.data(), m, nullptr, do_p.data(), dp,
@@ -460,32 +434,14 @@ void heads_loops_backward(const Heads<float>& p, const float* grad_out, float* d
           for (int64_t j = 0; j < N; ++j) delta += pr[j] * dpr[j];
           for (int64_t j = 0; j < N; ++j) dpr[j] = pr[j] * (dpr[j] - delta);  // dS
         }
-        dq.resize(m * d);
-        small_gemm(m, d, N, scale, dprobs.data(), N, nullptr, k_p.data(), dp, dq.data(), d, nullptr, false);
-        q_p.assign(m * dp, 0.f);
-        for (int64_t i = 0; i < m; ++i) std::memcpy(&q_p[i * dp], &q[i * d], d * sizeof(float));
+        small_gemm(m, d, N, scale, dprobs.data(), N, nullptr, k_p.data(), dp, dq_all + b * N * Hd + h * d, Hd,
+                   rows.data(), false);
         transpose_into(dprobs.data(), m, N, N, tr);  // dS^T [N, m]
         small_gemm(N, d, m, scale, tr.data(), m, nullptr, q_p.data(), dp, dk + (b * Hkv + kvh) * N * d, d, nullptr,
                    true);
-        // through the query projection
-        xg.assign(m * Cp, 0.f);
-        for (int64_t i = 0; i < m; ++i) std::memcpy(&xg[i * Cp], x_rows + rows[i] * C, C * sizeof(float));
-        transpose_into(dq.data(), m, d, d, tr);  // dQ^T [d, m]
-        small_gemm(d, C, m, 1.f, tr.data(), m, nullptr, xg.data(), Cp, &dwq_acc[h * d * C], C, nullptr, true);
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t c = 0; c < d; ++c) dbq_acc[h * d + c] += dq[i * d + c];
-        small_gemm(m, C, d, 1.f, dq.data(), d, nullptr, &wq_rows[h * d * Cp], Cp, dx + b * N * C, C, index, true);
       }
     }
   });
-  for (int t = 0; t < threads; ++t) {
-    for (int64_t i = 0; i < H * d * C; ++i) dwq[i] += dwq_t[t][i];
-    if (dbq)
-      for (int64_t i = 0; i < H * d; ++i) dbq[i] += dbq_t[t][i];
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t c = 0; c < Co; ++c)
-        for (int64_t r = 0; r < d; ++r) dwo[c * H * d + h * d + r] += dwo_t[t][(h * Co + c) * d + r];
-  }
 }
 
 // x: [T, C] (T = B * N, contiguous); qkv_w: [>= H * d, C] (the query rows of head h at h * d), qkv_b
@@ -541,17 +497,26 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
   // never writes through Heads::out
   at::Tensor out_shape = grad_out;
   const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, 0, out_shape);
-  auto dx = at::zeros_like(x);
-  auto dwq = at::zeros({H * d, x.size(1)}, x.options());
-  auto dbq = qkv_b.has_value() ? at::zeros({H * d}, x.options()) : at::empty({0}, x.options());
-  auto dwo = at::zeros({grad_out.size(1), H * d}, x.options());
+  // The projections' parts as whole-tensor matmuls over every (token, head) pair, zeros where a pair is
+  // off: per image and head, as the forward runs them, they took two thirds of the backward's time at the
+  // study's sizes (17 rows per weight-gradient update), and ATen's GEMMs over all the rows ran the
+  // backward 2x faster even where half the pairs are off (docs/benchmarks.md, 9th session).
+  const at::Tensor wq = qkv_w.narrow(0, 0, H * d);
+  const at::Tensor bq = qkv_b.has_value() ? qkv_b->narrow(0, 0, H * d) : at::Tensor();
+  auto q_all = (bq.defined() ? at::addmm(bq, x, wq.t()) : at::mm(x, wq.t())).contiguous();  // [T, H*d]
+  auto gz_all = at::mm(grad_out, proj_w).contiguous();                                      // [T, H*d]
+  auto z_all = at::zeros_like(q_all);
+  auto dq_all = at::zeros_like(q_all);
   auto dk = at::zeros({B, Hkv, N, d}, x.options());
   auto dv = at::zeros({B, Hkv, N, d}, x.options());
   auto dgates = at::zeros_like(gates);
   if (B > 0 && N > 0)
-    heads_loops_backward(heads, grad_out.data_ptr<float>(), dx.data_ptr<float>(), dwq.data_ptr<float>(),
-                         qkv_b.has_value() ? dbq.data_ptr<float>() : nullptr, dwo.data_ptr<float>(),
-                         dk.data_ptr<float>(), dv.data_ptr<float>(), dgates.data_ptr<float>());
+    heads_loops_backward(heads, q_all.data_ptr<float>(), gz_all.data_ptr<float>(), z_all.data_ptr<float>(),
+                         dq_all.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), dgates.data_ptr<float>());
+  auto dx = at::mm(dq_all, wq);
+  auto dwq = at::mm(dq_all.t(), x);
+  auto dbq = bq.defined() ? dq_all.sum(0) : at::empty({0}, x.options());
+  auto dwo = at::mm(grad_out.t(), z_all);
   return {dx, dwq, dbq, dwo, dk, dv, dgates};
 }
 
