@@ -10,12 +10,11 @@ Paths (all equal to the masked dense one up to float rounding):
 - ``sparse_projections``: queries, attention and output projection only for the selected pairs
   (token choice with the linear router; ``visattn.attention.sparse``);
 - ``routed_kernel`` / ``routed_kernel_loops``: the same, with the heads per image in one compiled pass
-  (MKL's GEMMs for the routed heads / the kernel's own loops for every head, float32;
-  ``visattn.attention.routed_kernel``; token or head choice; ``sparse_projections``, for head choice
-  ``head_gather``, where the kernel cannot run);
-- ``masked_kernel_loops``: the masked dense computation in that kernel's loops (every head for every
-  token, no gathers; float32), faster than both where most routed heads are on; ``masked_dense``
-  where the kernel cannot run;
+  (MKL's GEMMs for the routed heads / whole-tensor projections and the kernel's own attention loops for
+  every head, float32; ``visattn.attention.routed_kernel``; token or head choice; ``sparse_projections``,
+  for head choice ``head_gather``, where the kernel cannot run);
+- ``masked_kernel_loops``: the masked dense computation in that kernel (the attention of every pair,
+  unselected ones zeroed by their gates; float32); ``masked_dense`` where the kernel cannot run;
 - ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
   batched matmuls (``visattn.attention.head_gather``).
 

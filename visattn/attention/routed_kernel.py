@@ -10,15 +10,18 @@ the image's output rows), so the output stays in cache and nothing is padded.
 
 - ``routed_kernel``: the routed heads in the kernel through MKL's GEMMs; the shared heads in PyTorch
   (one query projection, SDPA and output projection for all tokens). Suits ViT-S / DiT-B sizes.
-- ``routed_kernel_loops`` (float32): every head in the kernel, whose GEMMs are its own loops. At the
-  study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call costs more than its work. With
-  gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's attention.
-- ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: every head for
-  every token, as the kernel runs shared heads (one query and one output GEMM for all of them, no
-  gathers), unselected pairs zeroed by their gates. Where most routed heads are on per token (the
-  study's MoH-90 layers, 3 of 4), gathering their tokens cost more than the skipped pairs: at the
-  study ViT's layer this path took 0.98x ``mha``'s time against 1.09x for ``routed_kernel_loops`` and
-  1.12x for ``masked_dense`` (docs/benchmarks.md). Where the kernel cannot run it is ``masked_dense``.
+- ``routed_kernel_loops`` (float32): every head in the kernel. Its query and output projections are
+  whole-tensor matmuls over every (token, head) pair, zeros where a pair is off; its attention runs the
+  chosen pairs per image in its own loops (``small_gemm``). At the study's sizes (12-wide heads, 17-49
+  tokens) a BLAS or SDPA call per image and head costs more than its work, and the projections per image
+  and head (17 rows each) ran slower than ATen's matmuls over all rows even where half the pairs are off.
+  With gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's
+  attention and takes the projections' gradients as whole-tensor matmuls as well.
+- ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
+  every pair, unselected pairs zeroed by their gates. Until the projections became whole-tensor matmuls
+  (9th session) it was the faster of the two where most routed heads are on; since then
+  ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
+  kernel cannot run it is ``masked_dense``.
 
 ``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
 dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,

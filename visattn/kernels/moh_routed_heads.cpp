@@ -8,8 +8,9 @@
 // The GEMMs are MKL's (SGEMM, cblas_gemm_bf16bf16f32), which x86 builds of libtorch_cpu export. They
 // are looked up at run time, so the library loads on any build; moh_routed_blas(dtype) says whether
 // the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. With
-// `small_gemm` (float32), the GEMMs are loops here instead: at the study's sizes (12-wide heads, 17-49
-// tokens) a BLAS call costs more than its few thousand multiply-adds.
+// `small_gemm` (float32, the loops path), the attention's GEMMs are loops here instead (at the study's
+// sizes, 12-wide heads and 17-49 tokens, a BLAS call costs more than its few thousand multiply-adds) and
+// the query and output projections are ATen matmuls over every (token, head) pair (heads_loops).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -284,79 +285,66 @@ void heads_blas(const Heads<T>& p) {
   });
 }
 
-// Through small_gemm, float32, one image at a time: the chosen tokens' rows are read and added to in
-// place (no gathered copies), and every operand small_gemm multiplies by is a padded row-major copy
-// (W_q[h]^T and W_O[:, h]^T once per call, K^T and V once per image and key/value head). The shared
-// heads (every token) run together: one query GEMM and one output GEMM for all of them.
-void heads_loops(const Heads<float>& p) {
-  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co, H = p.H;
+// The attention of heads_loops, float32, one image at a time, given every token's queries q [T, H*d]: for
+// each head from `first_head` on and the tokens that chose it (every token for a shared head), the
+// probabilities and the output through small_gemm (K^T and V as padded copies once per image and
+// key/value head), gated, into the tokens' rows of z [T, H*d] (zero-initialised; other rows stay 0).
+void heads_loops_attention(const Heads<float>& p, const float* q_all, float* z_all) {
+  const int64_t N = p.N, d = p.d, H = p.H, Hd = H * d;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const int64_t dp = padded(d), Cop = padded(Co), Np = padded(N);
-  const int64_t S = p.first_head == 0 ? p.S : 0, Sd = S * d, Sdp = padded(Sd);
-  std::vector<float> wq_t(H * C * dp, 0.f), wo_t(H * d * Cop, 0.f);  // [H][C][dp], [H][d][Cop]
-  std::vector<float> wq_shared_t(C * Sdp, 0.f);                       // [C][Sdp]: the shared heads' W_q^T
-  for (int64_t h = p.first_head; h < H; ++h) {
-    for (int64_t r = 0; r < d; ++r)
-      for (int64_t c = 0; c < C; ++c) {
-        const float w = p.wq[(h * d + r) * C + c];
-        (h < S ? wq_shared_t[c * Sdp + h * d + r] : wq_t[(h * C + c) * dp + r]) = w;
-      }
-    for (int64_t c = 0; c < Co; ++c)
-      for (int64_t r = 0; r < d; ++r) wo_t[(h * d + r) * Cop + c] = p.wo[c * p.ldwo + h * d + r];
-  }
-
+  const int64_t dp = padded(d), Np = padded(N);
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
-    std::vector<float> q, s, o, k_t, v_p, q_shared(N * Sd), o_shared(N * Sd);
+    std::vector<float> s, k_t, v_p;
     for (int64_t b = b0; b < b1; ++b) {
-      const float* x_rows = p.x + b * N * C;
-      float* out_rows = p.out + b * N * Co;
       int64_t kv_loaded = -1;  // the key/value head k_t and v_p hold, for this image
-      auto load_kv = [&](int64_t kvh) {
-        if (kv_loaded == kvh) return;
-        transpose_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_t);  // K^T [d, Np]
-        copy_padded(p.values(b, kvh), N, d, p.v_stride[2], v_p);     // V [N, dp]
-        kv_loaded = kvh;
-      };
-      if (S > 0) {
-        small_gemm(N, Sd, C, 1.f, x_rows, C, nullptr, wq_shared_t.data(), Sdp, q_shared.data(), Sd, nullptr, false);
-        if (p.bq)
-          for (int64_t i = 0; i < N; ++i)
-            for (int64_t c = 0; c < Sd; ++c) q_shared[i * Sd + c] += p.bq[c];
-        for (int64_t h = 0; h < S; ++h) {
-          load_kv(h / p.group);
-          s.resize(N * N);
-          small_gemm(N, N, d, scale, &q_shared[h * d], Sd, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
-          for (int64_t i = 0; i < N; ++i) softmax_row(&s[i * N], N);
-          small_gemm(N, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, &o_shared[h * d], Sd, nullptr, false);
-          for (int64_t i = 0; i < N; ++i)
-            for (int64_t c = 0; c < d; ++c) o_shared[i * Sd + h * d + c] *= p.gate(b, i, h);
-        }
-        small_gemm(N, Co, Sd, 1.f, o_shared.data(), Sd, nullptr, wo_t.data(), Cop, out_rows, Co, nullptr, true);
-      }
-      for (int64_t h = std::max(p.first_head, p.S); h < H; ++h) {
+      for (int64_t h = p.first_head; h < H; ++h) {
         chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
         const int64_t m = static_cast<int64_t>(rows.size());
         if (m == 0) continue;
-        const int64_t* index = m < N ? rows.data() : nullptr;  // every token: rows 0..N-1 in place
-        q.resize(m * d);
-        small_gemm(m, d, C, 1.f, x_rows, C, index, &wq_t[h * C * dp], dp, q.data(), d, nullptr, false);
-        if (p.bq)
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t c = 0; c < d; ++c) q[i * d + c] += p.bq[h * d + c];
-        load_kv(h / p.group);
+        const int64_t kvh = h / p.group;
+        if (kv_loaded != kvh) {
+          transpose_padded(p.keys(b, kvh), N, d, p.k_stride[2], k_t);  // K^T [d, Np]
+          copy_padded(p.values(b, kvh), N, d, p.v_stride[2], v_p);     // V [N, dp]
+          kv_loaded = kvh;
+        }
+        float* z_img = z_all + b * N * Hd + h * d;
         s.resize(m * N);
-        small_gemm(m, N, d, scale, q.data(), d, nullptr, k_t.data(), Np, s.data(), N, nullptr, false);
+        small_gemm(m, N, d, scale, q_all + b * N * Hd + h * d, Hd, rows.data(), k_t.data(), Np, s.data(), N,
+                   nullptr, false);
         for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
-        o.resize(m * d);
-        small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, o.data(), d, nullptr, false);
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t c = 0; c < d; ++c) o[i * d + c] *= p.gate(b, rows[i], h);
-        // W_O[:, h] -> added into the chosen tokens' output rows
-        small_gemm(m, Co, d, 1.f, o.data(), d, nullptr, &wo_t[h * d * Cop], Cop, out_rows, Co, index, true);
+        small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, z_img, Hd, rows.data(), false);
+        for (int64_t i = 0; i < m; ++i) {
+          const float g = p.gate(b, rows[i], h);
+          float* z = z_img + rows[i] * Hd;
+          for (int64_t c = 0; c < d; ++c) z[c] *= g;
+        }
       }
     }
   });
+}
+
+// The loops path (float32): the query and output projections as whole-tensor matmuls over every (token,
+// head) pair from `first_head` on, zeros where a pair is off, and the attention of the chosen pairs in
+// heads_loops_attention. At the study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call per image
+// and head costs more than its work, and so did the projections per image and head in this kernel's own
+// loops (17 rows each): ATen's matmuls over all rows ran the layer faster even where half the pairs are
+// off (docs/benchmarks.md, 9th session). out [T, Co] holds the bias (and what heads before first_head
+// add) on entry.
+void heads_loops(const Heads<float>& p, const at::Tensor& x, const at::Tensor& qkv_w,
+                 const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w, at::Tensor& out) {
+  const int64_t H = p.H, d = p.d, first = p.first_head, Hr = H - first;
+  const at::Tensor wq = qkv_w.narrow(0, first * d, Hr * d);
+  const at::Tensor wo = proj_w.narrow(1, first * d, Hr * d);
+  at::Tensor q = qkv_b.has_value() ? at::addmm(qkv_b->narrow(0, first * d, Hr * d), x, wq.t()) : at::mm(x, wq.t());
+  at::Tensor q_all = q;  // [T, H*d]: the heads before first_head are never read
+  if (first > 0) {
+    q_all = at::zeros({x.size(0), H * d}, x.options());
+    q_all.narrow(1, first * d, Hr * d).copy_(q);
+  }
+  at::Tensor z_all = at::zeros_like(q_all);
+  heads_loops_attention(p, q_all.data_ptr<float>(), z_all.data_ptr<float>());
+  out.addmm_(z_all.narrow(1, first * d, Hr * d), wo.t());
 }
 
 // [rows, cols] (row stride ld) -> [cols, rows] contiguous in `out` (a small_gemm `a` operand).
@@ -475,7 +463,8 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   if (N == 0 || B == 0) return;
   if (dtype == at::kFloat) {
     const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out);
-    small_gemm ? heads_loops(heads) : heads_blas(heads);
+    if (small_gemm) heads_loops(heads, x, qkv_w, qkv_b, proj_w, out);
+    else heads_blas(heads);
   } else {
     heads_blas(Heads<c10::BFloat16>(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out));
   }
