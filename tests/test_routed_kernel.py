@@ -112,6 +112,29 @@ def test_bfloat16_matches_the_masked_dense_path_to_bf16_rounding(kernel, monkeyp
     torch.testing.assert_close(loops, PATHS["sparse_projections"](m, x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops"])
+def test_one_matmul_gives_shared_queries_keys_values_and_router_logits_in_float32(kernel, monkeypatch, path):
+    """The kernel paths read x once for the shared heads' queries (routed_kernel runs them in PyTorch),
+    the keys and values, and the router's logits (its rows appended, padded to ``router_columns``); in
+    bf16 the router keeps its own matmul and the outputs stay equal to the masked dense path."""
+    m = _moh(qkv_bias=True)
+    widths = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, w, b=None: widths.append(w.shape[0]) or real(a, w, b))
+    x = torch.randn(3, 17, 48)
+    with torch.no_grad():
+        out = PATHS[path](m, x)
+        widths_fp32, widths[:] = list(widths), []
+        ref = m.dense_forward(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    shared_q = m.router.shared_heads * m.head_dim if path == "routed_kernel" else 0
+    assert widths_fp32[0] == shared_q + 2 * m.kv_dim + m.router_columns
+    assert m.router.logit_rows not in widths_fp32 and m.router_columns % 16 == 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        PATHS[path](m, x)
+    assert m.router.logit_rows in widths  # bf16: the router's own matmul
+
+
 def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel):
     """The op itself on a hand-made selection (not top-k: a token may have 0..E heads, a head 0..N
     tokens, one head none at all) against the MoH formula written out."""

@@ -262,27 +262,35 @@ class HeadAttention(nn.Module):
 
     def project_qkv_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``project_equal_heads`` and the linear router's logits [logit_rows, B*N] (float32) from
-        one matmul whose weight is qkv's with the router's rows appended (bias 0 there), with zero
-        rows up to ``router_columns``."""
+        one matmul (``linear_with_logits`` on qkv's weight)."""
+        B, N, C = x.shape
+        parts, logits = self.linear_with_logits(x, [self.qkv.weight], self.qkv.bias,
+                                                [self.attn_dim, self.kv_dim, self.kv_dim])
+        q = parts[0].view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k = parts[1].view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = parts[2].view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return self.q_norm(q), self.k_norm(k), v, logits
+
+    def linear_with_logits(
+        self, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, widths: list[int]
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """x: [B, N, C] through ``weights`` stacked ([sum(widths), C] in all, ``bias`` [sum(widths)] or
+        None) and the linear router in one matmul: the router's rows appended (bias 0 there), zero rows
+        up to ``router_columns``. -> (the output split by ``widths``, views [B, N, w], and the router's
+        logits [logit_rows, B*N] float32, a strided view the routing kernel reads in place)."""
         router = self.router
         assert router is not None
         B, N, C = x.shape
         columns = self.router_columns
-        weight = router.stacked_weight(columns, above=self.qkv.weight)
-        assert weight is not None
-        bias = self.qkv.bias
+        stacked = router.stacked_weight(columns, above=weights)
+        assert stacked is not None
         if bias is not None:
             bias = torch.cat([bias, bias.new_zeros(columns)])
         rows = router.logit_rows
         # one split (not slices): its backward assembles the output's gradient in one pass
-        q, k, v, logits, _ = F.linear(x, weight, bias).split(
-            [self.attn_dim, self.kv_dim, self.kv_dim, rows, columns - rows], dim=-1
-        )
-        q = q.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        logits = logits.reshape(B * N, rows).t().float()  # a strided view: the routing kernel reads it in place
-        return self.q_norm(q), self.k_norm(k), v, logits
+        parts = F.linear(x, stacked, bias).split(widths + [rows, columns - rows], dim=-1)
+        logits = parts[len(widths)].reshape(B * N, rows).t().float()
+        return [parts[i] for i in range(len(widths))], logits  # indexed: torch.fx cannot iterate a Proxy
 
     def route(
         self, x: torch.Tensor, q: torch.Tensor | None, selection: bool = True, logits: torch.Tensor | None = None

@@ -111,17 +111,30 @@ def routed_kernel_forward(
     H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
     x = x.to(dtype).contiguous()
 
+    shared = H if every_head else attn.router.shared_heads
+    first_head = 0 if loops else shared  # the heads before it run in PyTorch (_shared_heads)
     kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
-    k, v = torch.nn.functional.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
-    k = attn.k_norm(k.transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
-    v = v.transpose(1, 2)
+    logits = q_shared = None
+    if attn.router_columns and dtype == torch.float32:
+        # One matmul for the shared heads' queries, the keys and values, and the router's logits: at
+        # ViT-S / DiT-B/2 sizes the router's own 7-12 column matmul took 1.3-1.5 ms and its 16 columns
+        # appended 0.1-0.7; the shared queries' own matmul 3.3 / 8.3 ms and appended 1.6 / 6.3
+        # (docs/benchmarks.md, 9th session). In bf16 16 columns would misalign the rows (the 8th
+        # session's finding), so bf16 keeps the separate matmuls.
+        q_w, q_b = linear_rows(attn.qkv, 0, first_head * attn.head_dim)
+        bias = torch.cat([q_b, kv_b]) if kv_b is not None and q_b is not None else None
+        (q_shared, k, v), logits = attn.linear_with_logits(
+            x, [q_w, kv_w], bias, [first_head * attn.head_dim, attn.kv_dim, attn.kv_dim]
+        )
+    else:
+        k, v = torch.nn.functional.linear(x, kv_w, kv_b).split(attn.kv_dim, dim=-1)
+    k = attn.k_norm(k.view(B, N, Hkv, d).transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
+    v = v.view(B, N, Hkv, d).transpose(1, 2)
     if every_head:  # every head as the kernel runs shared ones; the gates are 0 where a head is off
-        shared = H
-        gates, _ = attn.route(x, None, selection=False)  # [B, N, H]
+        gates, _ = attn.route(x, None, selection=False, logits=logits)  # [B, N, H]
         routed_mask = x.new_zeros((0, T), dtype=torch.bool)
     else:
-        shared = attn.router.shared_heads
-        gates, selected = attn.route(x, None)  # [B, N, H] each
+        gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
         routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
 
     if loops and needs_grad(attn, x):
@@ -132,9 +145,8 @@ def routed_kernel_forward(
             out = out + attn.proj.bias
         return attn.proj_drop(out.view(B, N, -1))
     out = _Rows(T, attn.proj.out_features, x, [])
-    first_head = 0 if loops else shared
     if first_head:
-        _shared_heads(out, attn, x, k, v, gates, shared, H // Hkv, 0.0)  # [T, dim_out], with the bias
+        _shared_heads(out, attn, x, k, v, gates, shared, H // Hkv, 0.0, q_shared)  # [T, dim_out], with the bias
         rows = out.result()
     else:
         bias = attn.proj.bias

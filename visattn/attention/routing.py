@@ -219,14 +219,14 @@ class HeadRouter(nn.Module):
             f"router={self.router_kind}, gate={self.gate_mode}, two_stage={self.two_stage}, routing={self.routing}"
         )
 
-    def stacked_weight(self, rows: int = 0, above: torch.Tensor | None = None) -> torch.Tensor | None:
+    def stacked_weight(self, rows: int = 0, above: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The linear routers' weights stacked [shared; routed; mix] ([logit_rows, C]), zero rows
-        appended up to ``rows``, and ``above`` ([M, C]) stacked on top when given (one concatenation);
-        None without a linear router. Concatenated per call (a few hundred values), so parameters,
-        state_dict and optimiser state stay per router."""
+        appended up to ``rows``, and the weights ``above`` ([M_i, C] each) stacked on top when given (one
+        concatenation); None without a linear router. Concatenated per call (a few hundred values), so
+        parameters, state_dict and optimiser state stay per router."""
         weights: list[torch.Tensor] = []
         if above is not None:
-            weights.append(above)
+            weights.extend(above)
         shared = self.shared
         if shared is not None:
             weights.append(shared.weight)
@@ -236,7 +236,7 @@ class HeadRouter(nn.Module):
         mix = self.mix
         if mix is not None:
             weights.append(mix.weight)
-        if len(weights) == (0 if above is None else 1):
+        if len(weights) == (0 if above is None else len(above)):
             return None
         if rows > self.logit_rows:
             weights.append(weights[-1].new_zeros((rows - self.logit_rows, weights[-1].shape[1])))

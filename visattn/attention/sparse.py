@@ -244,14 +244,18 @@ def _shared_heads(
     shared: int,
     group: int,
     dropout_p: float,
+    q: torch.Tensor | None = None,
 ) -> None:
     """Heads 0..shared-1 densely, through their slice of the output projection plus its bias.
 
-    x: [B, N, C], k/v: [B, H_kv, N, d], gates: [B, N, H]; appends [B * N, dim_out] rows to ``out``."""
+    x: [B, N, C], k/v: [B, H_kv, N, d], gates: [B, N, H], q: their queries [B, N, shared * d] when the
+    caller computed them; appends [B * N, dim_out] rows to ``out``."""
     B, N, _ = x.shape
     d = attn.head_dim
-    q_w, q_b = linear_rows(attn.qkv, 0, shared * d)
-    q = attn.q_norm(F.linear(x, q_w, q_b).view(B, N, shared, d).transpose(1, 2))
+    if q is None:
+        q_w, q_b = linear_rows(attn.qkv, 0, shared * d)
+        q = F.linear(x, q_w, q_b)
+    q = attn.q_norm(q.view(B, N, shared, d).transpose(1, 2))
     k, v = shared_kv(k, v, shared, group)
     heads = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
     heads = heads * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
