@@ -9,7 +9,8 @@ work. The kernel runs the heads per image in C++ (gather, q GEMM, attention, gat
 the image's output rows), so the output stays in cache and nothing is padded.
 
 - ``routed_kernel``: the routed heads in the kernel through MKL's GEMMs; the shared heads in PyTorch
-  (one query projection, SDPA and output projection for all tokens). Suits ViT-S / DiT-B sizes.
+  (their queries, SDPA and one output projection for all tokens). Suits ViT-S / DiT-B sizes. In
+  float32 the shared queries, the keys and values and the router's logits come from one matmul.
 - ``routed_kernel_loops`` (float32): every head in the kernel. Its query and output projections are
   whole-tensor matmuls over every (token, head) pair, zeros where a pair is off; its attention runs the
   chosen pairs per image in its own loops (``small_gemm``). At the study's sizes (12-wide heads, 17-49
