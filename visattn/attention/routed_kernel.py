@@ -123,7 +123,7 @@ def routed_kernel_forward(
         # (docs/benchmarks.md, 9th session). In bf16 16 columns would misalign the rows (the 8th
         # session's finding), so bf16 keeps the separate matmuls.
         q_w, q_b = linear_rows(attn.qkv, 0, first_head * attn.head_dim)
-        bias = torch.cat([q_b, kv_b]) if kv_b is not None and q_b is not None else None
+        bias = torch.cat([q_b, kv_b]) if kv_b is not None else None  # both rows of qkv's bias, or neither
         (q_shared, k, v), logits = attn.linear_with_logits(
             x, [q_w, kv_w], bias, [first_head * attn.head_dim, attn.kv_dim, attn.kv_dim]
         )

@@ -324,6 +324,13 @@ void heads_loops_attention(const Heads<float>& p, const float* q_all, float* z_a
   });
 }
 
+// The queries of heads first .. first + count for every token: x [T, C] @ W_q^T (+ b_q) -> [T, count * d].
+at::Tensor head_queries(const at::Tensor& x, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
+                        int64_t first, int64_t count, int64_t d) {
+  const at::Tensor wq = qkv_w.narrow(0, first * d, count * d);
+  return qkv_b.has_value() ? at::addmm(qkv_b->narrow(0, first * d, count * d), x, wq.t()) : at::mm(x, wq.t());
+}
+
 // The loops path (float32): the query and output projections as whole-tensor matmuls over every (token,
 // head) pair from `first_head` on, zeros where a pair is off, and the attention of the chosen pairs in
 // heads_loops_attention. At the study's sizes (12-wide heads, 17-49 tokens) a BLAS or SDPA call per image
@@ -334,9 +341,8 @@ void heads_loops_attention(const Heads<float>& p, const float* q_all, float* z_a
 void heads_loops(const Heads<float>& p, const at::Tensor& x, const at::Tensor& qkv_w,
                  const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w, at::Tensor& out) {
   const int64_t H = p.H, d = p.d, first = p.first_head, Hr = H - first;
-  const at::Tensor wq = qkv_w.narrow(0, first * d, Hr * d);
   const at::Tensor wo = proj_w.narrow(1, first * d, Hr * d);
-  at::Tensor q = qkv_b.has_value() ? at::addmm(qkv_b->narrow(0, first * d, Hr * d), x, wq.t()) : at::mm(x, wq.t());
+  at::Tensor q = head_queries(x, qkv_w, qkv_b, first, Hr, d);
   at::Tensor q_all = q;  // [T, H*d]: the heads before first_head are never read
   if (first > 0) {
     q_all = at::zeros({x.size(0), H * d}, x.options());
@@ -491,9 +497,8 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
   // study's sizes (17 rows per weight-gradient update), and ATen's GEMMs over all the rows ran the
   // backward 2x faster even where half the pairs are off (docs/benchmarks.md, 9th session).
   const at::Tensor wq = qkv_w.narrow(0, 0, H * d);
-  const at::Tensor bq = qkv_b.has_value() ? qkv_b->narrow(0, 0, H * d) : at::Tensor();
-  auto q_all = (bq.defined() ? at::addmm(bq, x, wq.t()) : at::mm(x, wq.t())).contiguous();  // [T, H*d]
-  auto gz_all = at::mm(grad_out, proj_w).contiguous();                                      // [T, H*d]
+  auto q_all = head_queries(x, qkv_w, qkv_b, 0, H, d);  // [T, H*d]
+  auto gz_all = at::mm(grad_out, proj_w);               // [T, H*d]
   auto z_all = at::zeros_like(q_all);
   auto dq_all = at::zeros_like(q_all);
   auto dk = at::zeros({B, Hkv, N, d}, x.options());
@@ -504,7 +509,7 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
                          dq_all.data_ptr<float>(), dk.data_ptr<float>(), dv.data_ptr<float>(), dgates.data_ptr<float>());
   auto dx = at::mm(dq_all, wq);
   auto dwq = at::mm(dq_all.t(), x);
-  auto dbq = bq.defined() ? dq_all.sum(0) : at::empty({0}, x.options());
+  auto dbq = qkv_b.has_value() ? dq_all.sum(0) : at::empty({0}, x.options());
   auto dwo = at::mm(grad_out.t(), z_all);
   return {dx, dwq, dbq, dwo, dk, dv, dgates};
 }
