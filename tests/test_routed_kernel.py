@@ -137,7 +137,9 @@ def test_one_matmul_gives_shared_queries_keys_values_and_router_logits_in_float3
 
 def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel):
     """The op itself on a hand-made selection (not top-k: a token may have 0..E heads, a head 0..N
-    tokens, one head none at all) against the MoH formula written out."""
+    tokens, one head none at all) against the MoH formula written out; the values come without their
+    bias (``v_bias``), which the kernel adds to each head's output, and ``out`` without the output's
+    (``out_bias``), which it adds to every row."""
     torch.manual_seed(1)
     B, N, C, H, S, d = 3, 7, 32, 4, 1, 8
     x = torch.randn(B * N, C)
@@ -147,11 +149,12 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
     mask[1] = False  # routed head 2: chosen by no token
     gates = torch.rand(B * N, H)
     base = torch.randn(B * N, C)
-    out = base.clone()
+    v_bias, out_bias = torch.randn(H * d), torch.randn(C)
     outs = {}
     for first_head, loops in ((S, False), (0, False), (0, True), (S, True)):
         outs[first_head, loops] = out = base.clone()
-        kernel(x, qkv_w, qkv_b, proj_w, k, v, mask.contiguous(), gates, S, first_head, loops, out)
+        kernel(x, qkv_w, qkv_b, proj_w, k, v - v_bias.view(H, 1, d), v_bias, mask.contiguous(), gates, S, first_head,
+               loops, out, out_bias)
 
     q = (x @ qkv_w[: H * d].t() + qkv_b[: H * d]).view(B, N, H, d).transpose(1, 2)
     heads = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1) @ v  # [B, H, N, d]
@@ -161,7 +164,7 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
     weights[:, :S] = gates[:, :S]  # first_head=0: the shared heads too, every token
     every = (heads.transpose(1, 2).reshape(B * N, H, d) * weights.unsqueeze(-1)).reshape(B * N, H * d)
     for (first_head, _), out in outs.items():
-        expected = base + (every if first_head == 0 else routed) @ proj_w.t()
+        expected = base + out_bias + (every if first_head == 0 else routed) @ proj_w.t()
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -115,7 +115,7 @@ def routed_kernel_forward(
     shared = H if every_head else attn.router.shared_heads
     first_head = 0 if loops else shared  # the heads before it run in PyTorch (_shared_heads)
     kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
-    logits = q_shared = None
+    logits = q_shared = v_bias = None
     if attn.router_columns and dtype == torch.float32:
         # One matmul for the shared heads' queries, the keys and values, and the router's logits: at
         # ViT-S / DiT-B/2 sizes the router's own 7-12 column matmul took 1.3-1.5 ms and its 16 columns
@@ -124,9 +124,13 @@ def routed_kernel_forward(
         # session's finding), so bf16 keeps the separate matmuls.
         q_w, q_b = linear_rows(attn.qkv, 0, first_head * attn.head_dim)
         bias = torch.cat([q_b, kv_b]) if kv_b is not None else None  # both rows of qkv's bias, or neither
+        if bias is not None and _bias_after_matmul(attn, x):
+            bias, v_bias = None, kv_b[attn.kv_dim :]
         (q_shared, k, v), logits = attn.linear_with_logits(
             x, [q_w, kv_w], bias, [first_head * attn.head_dim, attn.kv_dim, attn.kv_dim]
         )
+        if v_bias is not None and first_head:
+            q_shared.add_(q_b)  # a view of the matmul's output; no autograd here
     else:
         k, v = torch.nn.functional.linear(x, kv_w, kv_b).split(attn.kv_dim, dim=-1)
     k = attn.k_norm(k.view(B, N, Hkv, d).transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
@@ -146,16 +150,33 @@ def routed_kernel_forward(
             out = out + attn.proj.bias
         return attn.proj_drop(out.view(B, N, -1))
     out = _Rows(T, attn.proj.out_features, x, [])
+    out_bias = None
     if first_head:
-        _shared_heads(out, attn, x, k, v, gates, shared, H // Hkv, 0.0, q_shared)  # [T, dim_out], with the bias
-        rows = out.result()
+        if dtype == torch.float32:
+            # the kernel adds the bias to each image's rows while they are in cache: the shared heads'
+            # addmm would first copy it into every row (~1 ms at ViT-S, 10th session)
+            out_bias = attn.proj.bias
+        _shared_heads(out, attn, x, k, v, gates, shared, H // Hkv, 0.0, q_shared, v_bias, out_bias is None)
+        rows = out.result()  # [T, dim_out]
     else:
         bias = attn.proj.bias
         rows = out.buffer.zero_() if bias is None else out.buffer.copy_(bias.to(dtype).expand_as(out.buffer))
     qkv_b = attn.qkv.bias.to(dtype) if attn.qkv.bias is not None else None
-    op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, routed_mask,
-       gates.view(T, H), shared, first_head, loops, rows)
+    op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, v_bias, routed_mask,
+       gates.view(T, H), shared, first_head, loops, rows, out_bias)
     return attn.proj_drop(rows.view(B, N, -1))
+
+
+def _bias_after_matmul(attn: HeadAttention, x: torch.Tensor) -> bool:
+    """Whether the keys and values may come from a matmul without qkv's bias (inference, float32).
+
+    An addmm first copies its bias into every output row: on the [tokens, 800-1900] keys-and-values
+    matmul at ViT-S / DiT-B/2 sizes that took 1.7-2.9 ms, 6-8% of the matmul (docs/benchmarks.md, 10th
+    session). The keys' bias adds q . b_k to every score of a query,
+    which the softmax removes (it is shift-invariant), unless k_norm normalises the keys first; the
+    values' bias adds b_v to each head's output, as every row of probabilities sums to 1. The kernel
+    adds it there (``v_bias``), and the shared queries get theirs added to their columns alone."""
+    return not needs_grad(attn, x) and isinstance(attn.k_norm, torch.nn.Identity)
 
 
 def _same_in_pytorch(attn: HeadAttention, x: torch.Tensor, every_head: bool) -> torch.Tensor:
@@ -178,7 +199,7 @@ class _HeadsLoops(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, x, wq, bq, wo, k, v, routed_mask, gates, shared):  # noqa: D102
         out = x.new_zeros(x.shape[0], wo.shape[0])
-        op(x, wq, bq, wo, k, v, routed_mask, gates, shared, 0, True, out)
+        op(x, wq, bq, wo, k, v, None, routed_mask, gates, shared, 0, True, out)
         ctx.save_for_backward(x, wq, bq, wo, k, v, routed_mask, gates)
         ctx.shared = shared
         return out

@@ -245,11 +245,16 @@ def _shared_heads(
     group: int,
     dropout_p: float,
     q: torch.Tensor | None = None,
+    v_bias: torch.Tensor | None = None,
+    out_bias: bool = True,
 ) -> None:
-    """Heads 0..shared-1 densely, through their slice of the output projection plus its bias.
+    """Heads 0..shared-1 densely, through their slice of the output projection plus its bias (unless
+    ``out_bias`` is False: the caller adds it).
 
     x: [B, N, C], k/v: [B, H_kv, N, d], gates: [B, N, H], q: their queries [B, N, shared * d] when the
-    caller computed them; appends [B * N, dim_out] rows to ``out``."""
+    caller computed them; v_bias: the values' bias [H_kv * d] when v was computed without it (each
+    head's probabilities sum to 1, so it adds to the head's output); appends [B * N, dim_out] rows to
+    ``out``."""
     B, N, _ = x.shape
     d = attn.head_dim
     if q is None:
@@ -258,9 +263,14 @@ def _shared_heads(
     q = attn.q_norm(q.view(B, N, shared, d).transpose(1, 2))
     k, v = shared_kv(k, v, shared, group)
     heads = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
-    heads = heads * gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
+    gate = gates[..., :shared].transpose(1, 2).unsqueeze(-1).to(heads.dtype)
+    in_place = not heads.requires_grad  # SDPA's fresh output: no allocation for the gating
+    if v_bias is not None:
+        head_bias = v_bias.view(-1, d).repeat_interleave(group, dim=0)[:shared].view(1, shared, 1, d)
+        heads = heads.add_(head_bias) if in_place else heads + head_bias
+    heads = heads.mul_(gate) if in_place else heads * gate
     merged = heads.transpose(1, 2).reshape(B * N, shared * d)
-    out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias)
+    out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias if out_bias else None)
 
 
 def shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,13 +52,11 @@ void gemm(bool b_t, int m, int n, int kk, float alpha, const c10::BFloat16* a, i
                 lda, reinterpret_cast<const uint16_t*>(b), ldb, 0.f, c, ldc);
 }
 
-// Columns of b are padded to a multiple of this (one AVX-512 register): small_gemm reads whole blocks.
-constexpr int64_t kLanes = 16;
-inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+using visattn::kLanes;
+using visattn::lanes_t;
 
-// Sixteen floats as one value: one AVX-512 register in the AVX-512 clone, two or four narrower ones in
-// the others (GCC's vector extension; the compiler picks the instructions per clone).
-typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+// Columns of b are padded to a multiple of kLanes (one AVX-512 register): small_gemm reads whole blocks.
+inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // RB rows of c, NB column blocks (NB * 16 <= 64): the accumulators are RB * NB registers and the rows'
 // multiply-adds are independent, so neither latency nor loads and stores of c bound the loop. Row r
@@ -141,27 +139,50 @@ void copy_padded(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vect
   for (int64_t i = 0; i < rows; ++i) std::memcpy(&out[i * ldo], src + i * ld, cols * sizeof(T));
 }
 
-// row[0..n) <- softmax(row). Eight partial maxima and sums, so the loops vectorise without reassociating
-// anything the compiler may not (no -ffast-math); a NaN score makes the row NaN, as in SDPA.
-VISATTN_SIMD_CLONES void softmax_row(float* row, int64_t n) {
-  constexpr int64_t L = 8;
-  float part[L];
-  for (int64_t l = 0; l < L; ++l) part[l] = row[0];
-  int64_t j = 0;
-  for (; j + L <= n; j += L)
-    for (int64_t l = 0; l < L; ++l) part[l] = std::max(part[l], row[j + l]);
-  float mx = part[0];
-  for (int64_t l = 1; l < L; ++l) mx = std::max(mx, part[l]);
-  for (; j < n; ++j) mx = std::max(mx, row[j]);
-  for (j = 0; j < n; ++j) row[j] = visattn::exp_le0(row[j] - mx);
-  for (int64_t l = 0; l < L; ++l) part[l] = 0.f;
-  for (j = 0; j + L <= n; j += L)
-    for (int64_t l = 0; l < L; ++l) part[l] += row[j + l];
+// row[0..n) <- exp(row - max(row)); returns 1 / the sum of the new row, which a softmax multiplies by. The
+// caller scales what it computes from the row (d values per row, not n) instead of the row itself, as
+// flash attention does. Whole lanes_t blocks, the last one padded (its padding lanes neither stored nor
+// summed); the maxima and sums are per lane, so nothing is reassociated that the compiler may not (no
+// -ffast-math); a NaN score makes the sum NaN.
+VISATTN_SIMD_CLONES float exp_row(float* row, int64_t n) {
+  const int64_t full = n / kLanes * kLanes, tail = n - full;
+  float mx = row[0];
+  for (int64_t j = full; j < n; ++j) mx = std::max(mx, row[j]);
+  if (full) {
+    lanes_t top;
+    std::memcpy(&top, row, sizeof(lanes_t));
+    for (int64_t j = kLanes; j < full; j += kLanes) {
+      lanes_t v;
+      std::memcpy(&v, row + j, sizeof(lanes_t));
+      top = top < v ? v : top;
+    }
+    for (int64_t l = 0; l < kLanes; ++l) mx = std::max(mx, top[l]);
+  }
+  lanes_t sums{};
+  for (int64_t j = 0; j < full; j += kLanes) {
+    lanes_t v;
+    std::memcpy(&v, row + j, sizeof(lanes_t));
+    v = visattn::exp_le0(v - mx);
+    std::memcpy(row + j, &v, sizeof(lanes_t));
+    sums += v;
+  }
+  if (tail) {
+    lanes_t v = lanes_t{} + mx, lane{};
+    std::memcpy(&v, row + full, tail * sizeof(float));
+    for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+    v = visattn::exp_le0(v - mx);
+    std::memcpy(row + full, &v, tail * sizeof(float));
+    sums += lane < static_cast<float>(tail) ? v : lanes_t{};
+  }
   float total = 0.f;
-  for (int64_t l = 0; l < L; ++l) total += part[l];
-  for (; j < n; ++j) total += row[j];
-  const float inv = 1.f / total;
-  for (j = 0; j < n; ++j) row[j] *= inv;
+  for (int64_t l = 0; l < kLanes; ++l) total += sums[l];
+  return 1.f / total;
+}
+
+// row[0..n) <- softmax(row), for the backward's recomputed probabilities.
+inline void softmax_row(float* row, int64_t n) {
+  const float inv = exp_row(row, n);
+  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
 }
 
 // dst[rows[i] * n ..][0..n) += src[i * n ..][0..n) for i < m: each gathered row's projection added to its token.
@@ -206,18 +227,23 @@ template <typename T>
 struct Heads {
   int64_t B, Hkv, N, d, C, Co, H, group, S, first_head;
   const T *x, *wq, *bq, *wo, *k, *v;  // bq: nullptr without a bias
+  const float* bv;  // the values' bias when v comes without it ([Hkv * d], float32 only), else nullptr
+  const float* bo;  // the output's bias when out comes without it ([Co], float32 only), else nullptr
   int64_t ldwo, k_stride[3], v_stride[3];  // proj_w's row stride; k's and v's strides over (image, head, token)
   const bool* mask;
   const float* gates;
   T* out;
 
   Heads(const at::Tensor& x_, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w,
-        const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& routed_mask, const at::Tensor& gates_, int64_t S_,
-        int64_t first_head_, at::Tensor& out_)
+        const at::Tensor& k_, const at::Tensor& v_, const c10::optional<at::Tensor>& v_bias,
+        const at::Tensor& routed_mask, const at::Tensor& gates_, int64_t S_, int64_t first_head_, at::Tensor& out_,
+        const c10::optional<at::Tensor>& out_bias)
       : B(k_.size(0)), Hkv(k_.size(1)), N(k_.size(2)), d(k_.size(3)), C(x_.size(1)), Co(out_.size(1)),
         H(gates_.size(1)), group(H / Hkv), S(S_), first_head(first_head_), x(x_.data_ptr<T>()),
         wq(qkv_w.data_ptr<T>()), bq(qkv_b.has_value() ? qkv_b->data_ptr<T>() : nullptr), wo(proj_w.data_ptr<T>()),
-        k(k_.data_ptr<T>()), v(v_.data_ptr<T>()), ldwo(proj_w.stride(0)),
+        k(k_.data_ptr<T>()), v(v_.data_ptr<T>()), bv(v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr),
+        bo(out_bias.has_value() ? out_bias->data_ptr<float>() : nullptr),
+        ldwo(proj_w.stride(0)),
         k_stride{k_.stride(0), k_.stride(1), k_.stride(2)}, v_stride{v_.stride(0), v_.stride(1), v_.stride(2)},
         mask(routed_mask.data_ptr<bool>()), gates(gates_.data_ptr<float>()), out(out_.data_ptr<T>()) {}
 
@@ -225,6 +251,9 @@ struct Heads {
   const T* keys(int64_t b, int64_t kvh) const { return k + b * k_stride[0] + kvh * k_stride[1]; }
   const T* values(int64_t b, int64_t kvh) const { return v + b * v_stride[0] + kvh * v_stride[1]; }
   float gate(int64_t b, int64_t n, int64_t h) const { return gates[(b * N + n) * H + h]; }
+  // The bias to add to head h's attention output (the probabilities sum to 1, so P (V + b) = P V + b), or
+  // nullptr where v has it.
+  const float* value_bias(int64_t h) const { return bv ? bv + h / group * d : nullptr; }
 };
 
 // Through MKL's GEMMs, one image at a time (its output rows stay in cache while every head adds to
@@ -238,11 +267,14 @@ void heads_blas(const Heads<T>& p) {
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
     std::vector<T> xg, q, probs, o_gated;
-    std::vector<float> qf, s, o, r, acc;
+    std::vector<float> qf, s, o, r, acc, inv;
     for (int64_t b = b0; b < b1; ++b) {
       T* out_rows = p.out + b * N * Co;
       // float32 adds straight into the output rows; bfloat16 sums in float32 and rounds once at the end
       float* sum = out_rows_as_float<T>(out_rows, acc, N * Co);
+      if (p.bo)  // float32 only; the rows stay in cache for the heads that add to them
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t c = 0; c < Co; ++c) sum[n * Co + c] += p.bo[c];
       for (int64_t h = p.first_head; h < p.H; ++h) {
         chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
         const int64_t m = static_cast<int64_t>(rows.size());
@@ -260,20 +292,28 @@ void heads_blas(const Heads<T>& p) {
         const int64_t kvh = h / p.group;
         s.resize(m * N);
         gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
-        for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
         o.resize(m * d);
+        inv.assign(m, 1.f);
         if constexpr (std::is_same_v<T, float>) {
+          // exp(s - max) @ V, each row then scaled by 1 / its sum with the gate
+          for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
           gemm(false, m, d, N, 1.f, s.data(), N, p.values(b, kvh), ldv, o.data(), d);
-        } else {
+        } else {  // the probabilities rounded to T, as SDPA's bf16 output of the masked dense path is
           probs.resize(m * N);
+          for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
           for (int64_t i = 0; i < m * N; ++i) probs[i] = static_cast<T>(s[i]);
           gemm(false, m, d, N, 1.f, probs.data(), N, p.values(b, kvh), ldv, o.data(), d);
         }
         // gate (cast to T first, as the dense path multiplies in T), then W_O[:, h] -> [m, Co], added
         o_gated.resize(m * d);
+        const float* bv = p.value_bias(h);
         for (int64_t i = 0; i < m; ++i) {
           const float g = round_to<T>(p.gate(b, rows[i], h));
-          for (int64_t c = 0; c < d; ++c) o_gated[i * d + c] = static_cast<T>(round_to<T>(o[i * d + c]) * g);
+          if (bv)  // float32 only
+            for (int64_t c = 0; c < d; ++c) o_gated[i * d + c] = static_cast<T>((o[i * d + c] * inv[i] + bv[c]) * g);
+          else
+            for (int64_t c = 0; c < d; ++c)
+              o_gated[i * d + c] = static_cast<T>(round_to<T>(o[i * d + c]) * (g * inv[i]));
         }
         r.resize(m * Co);
         gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
@@ -287,15 +327,16 @@ void heads_blas(const Heads<T>& p) {
 
 // The attention of heads_loops, float32, one image at a time, given every token's queries q [T, H*d]: for
 // each head from `first_head` on and the tokens that chose it (every token for a shared head), the
-// probabilities and the output through small_gemm (K^T and V as padded copies once per image and
-// key/value head), gated, into the tokens' rows of z [T, H*d] (zero-initialised; other rows stay 0).
+// scores' exponentials and the output through small_gemm (K^T and V as padded copies once per image and
+// key/value head), scaled by the gate over the softmax's sum, into the tokens' rows of z [T, H*d]
+// (zero-initialised; other rows stay 0).
 void heads_loops_attention(const Heads<float>& p, const float* q_all, float* z_all) {
   const int64_t N = p.N, d = p.d, H = p.H, Hd = H * d;
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   const int64_t dp = padded(d), Np = padded(N);
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
-    std::vector<float> s, k_t, v_p;
+    std::vector<float> s, k_t, v_p, inv;
     for (int64_t b = b0; b < b1; ++b) {
       int64_t kv_loaded = -1;  // the key/value head k_t and v_p hold, for this image
       for (int64_t h = p.first_head; h < H; ++h) {
@@ -312,12 +353,17 @@ void heads_loops_attention(const Heads<float>& p, const float* q_all, float* z_a
         s.resize(m * N);
         small_gemm(m, N, d, scale, q_all + b * N * Hd + h * d, Hd, rows.data(), k_t.data(), Np, s.data(), N,
                    nullptr, false);
-        for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
+        inv.resize(m);
+        for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
         small_gemm(m, d, N, 1.f, s.data(), N, nullptr, v_p.data(), dp, z_img, Hd, rows.data(), false);
+        const float* bv = p.value_bias(h);
         for (int64_t i = 0; i < m; ++i) {
           const float g = p.gate(b, rows[i], h);
           float* z = z_img + rows[i] * Hd;
-          for (int64_t c = 0; c < d; ++c) z[c] *= g;
+          if (bv)
+            for (int64_t c = 0; c < d; ++c) z[c] = (z[c] * inv[i] + bv[c]) * g;
+          else
+            for (int64_t c = 0; c < d; ++c) z[c] *= g * inv[i];
         }
       }
     }
@@ -351,6 +397,7 @@ void heads_loops(const Heads<float>& p, const at::Tensor& x, const at::Tensor& q
   at::Tensor z_all = at::zeros_like(q_all);
   heads_loops_attention(p, q_all.data_ptr<float>(), z_all.data_ptr<float>());
   out.addmm_(z_all.narrow(1, first * d, Hr * d), wo.t());
+  if (p.bo) out.add_(at::from_blob(const_cast<float*>(p.bo), {p.Co}, out.options()));
 }
 
 // [rows, cols] (row stride ld) -> [cols, rows] contiguous in `out` (a small_gemm `a` operand).
@@ -440,19 +487,27 @@ void heads_loops_backward(const Heads<float>& p, const float* q_all, const float
 
 // x: [T, C] (T = B * N, contiguous); qkv_w: [>= H * d, C] (the query rows of head h at h * d), qkv_b
 // its bias or None; proj_w: [Co, H * d] (unit column stride); k, v: [B, Hkv, N, d] (unit last stride);
-// routed_mask: [E, T] bool (E = H - S routed heads, head-major); gates: [T, H] float32; first_head: 0
-// (every head here) or S (the shared heads computed by the caller); small_gemm: float32 only; out:
-// [T, Co], holding the bias (and the shared heads' part when first_head = S) on entry, the whole layer
-// output on return.
+// v_bias: None, or (float32) the values' bias [Hkv * d] when v was computed without it; routed_mask:
+// [E, T] bool (E = H - S routed heads, head-major); gates: [T, H] float32; first_head: 0 (every head
+// here) or S (the shared heads computed by the caller); small_gemm: float32 only; out: [T, Co], holding
+// the output's bias (unless out_bias gives it: float32, [Co]) and the shared heads' part when first_head
+// = S on entry, the whole layer output on return.
 void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b,
                       const at::Tensor& proj_w, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& routed_mask, const at::Tensor& gates, int64_t S, int64_t first_head,
-                      bool small_gemm, at::Tensor out) {
+                      const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask, const at::Tensor& gates,
+                      int64_t S, int64_t first_head, bool small_gemm, at::Tensor out,
+                      const c10::optional<at::Tensor>& out_bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moh_routed_heads: float32 or bfloat16, got ", dtype);
   for (const at::Tensor& t : {qkv_w, proj_w, k, v, out})
     TORCH_CHECK(t.scalar_type() == dtype, "moh_routed_heads: every tensor in ", dtype);
   TORCH_CHECK(!qkv_b.has_value() || (qkv_b->scalar_type() == dtype && qkv_b->is_contiguous()), "moh_routed_heads: qkv_b");
+  TORCH_CHECK(!v_bias.has_value() || (dtype == at::kFloat && v_bias->scalar_type() == at::kFloat &&
+                                      v_bias->is_contiguous() && v_bias->numel() == k.size(1) * k.size(3)),
+              "moh_routed_heads: v_bias is float32, [Hkv * d]");
+  TORCH_CHECK(!out_bias.has_value() || (dtype == at::kFloat && out_bias->scalar_type() == at::kFloat &&
+                                        out_bias->is_contiguous() && out_bias->numel() == out.size(1)),
+              "moh_routed_heads: out_bias is float32, [Co]");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qkv_w.is_contiguous() && out.is_contiguous(),
               "moh_routed_heads: x, qkv_w and out contiguous");
   TORCH_CHECK(proj_w.stride(1) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "moh_routed_heads: unit last strides");
@@ -468,11 +523,12 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
               "moh_routed_heads: no MKL GEMM for ", dtype, " in this torch build (check moh_routed_blas first)");
   if (N == 0 || B == 0) return;
   if (dtype == at::kFloat) {
-    const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out);
+    const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias);
     if (small_gemm) heads_loops(heads, x, qkv_w, qkv_b, proj_w, out);
     else heads_blas(heads);
   } else {
-    heads_blas(Heads<c10::BFloat16>(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, first_head, out));
+    heads_blas(
+        Heads<c10::BFloat16>(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias));
   }
 }
 
@@ -491,7 +547,8 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
   // grad_out stands in for the forward's output, which has its shape: the backward reads Heads' sizes and
   // never writes through Heads::out
   at::Tensor out_shape = grad_out;
-  const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, routed_mask, gates, S, 0, out_shape);
+  const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, c10::nullopt, routed_mask, gates, S, 0, out_shape,
+                           c10::nullopt);
   // The projections' parts as whole-tensor matmuls over every (token, head) pair, zeros where a pair is
   // off: per image and head, as the forward runs them, they took two thirds of the backward's time at the
   // study's sizes (17 rows per weight-gradient update), and ATen's GEMMs over all the rows ran the
@@ -525,8 +582,9 @@ bool moh_routed_blas(at::ScalarType dtype) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
-  m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, "
-        "Tensor routed_mask, Tensor gates, int S, int first_head, bool small_gemm, Tensor(a!) out) -> ()");
+  m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, Tensor? v_bias, "
+        "Tensor routed_mask, Tensor gates, int S, int first_head, bool small_gemm, Tensor(a!) out, "
+        "Tensor? out_bias=None) -> ()");
   m.def("moh_routed_heads_backward(Tensor grad_out, Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, "
         "Tensor v, Tensor routed_mask, Tensor gates, int S) -> Tensor[]");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);

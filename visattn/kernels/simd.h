@@ -1,5 +1,5 @@
-// SIMD helpers of visattn.kernels: a vectorisable exp for softmaxes (the compiler turns loops over it into
-// SIMD code, where std::exp stays a scalar call per element), and VISATTN_SIMD_CLONES, which compiles a
+// SIMD helpers of visattn.kernels: an exp for softmaxes, for one float and for sixteen at once (lanes_t;
+// std::exp stays a scalar call per element), and VISATTN_SIMD_CLONES, which compiles a
 // hot loop for AVX-512, AVX2 and the baseline and picks one when the library loads. The library is built
 // without -march so that one build serves every x86-64 CPU; without the clones its loops would use SSE only.
 #pragma once
@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VISATTN_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -16,27 +17,40 @@
 
 namespace visattn {
 
-// exp(x) for a softmax's x = value - max <= 0, branch-free so that the loops over tokens vectorise
-// (Cody-Waite range reduction, degree-6 polynomial: within 2 ulp of expf). Below -87 it returns
-// exp(-87) ~ 1.6e-38 instead of a denormal or 0 (no difference to a sum or a ranking of
-// probabilities); NaN gives NaN (so does -inf, which only non-finite logits produce).
-inline float exp_le0(float x) {
-  const float c = std::max(x, -87.0f);
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// Sixteen floats as one value: one AVX-512 register in the AVX-512 clone, two or four narrower ones in
+// the others (GCC's vector extension; the compiler picks the instructions per clone).
+constexpr int64_t kLanes = 16;
+typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t int_lanes_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp(x) for a softmax's x = value - max <= 0, branch-free (Cody-Waite range reduction, degree-6
+// polynomial: within 2 ulp of expf). Below -87 it returns exp(-87) ~ 1.6e-38 instead of a denormal or 0
+// (no difference to a sum or a ranking of probabilities); NaN gives NaN (so does -inf, which only
+// non-finite logits produce). One template for a float and for lanes_t, so that the loops over a row
+// need not rely on the compiler vectorising the scalar version (it did not, through the bit casts).
+// Always inlined: an out-of-line copy would be compiled for the baseline, and a lanes_t passed to it from
+// an AVX-512 clone would not be where it looks (the calling conventions differ per target).
+template <typename F, typename I>
+__attribute__((always_inline)) inline F exp_le0_impl(F x) {
+  const F c = x < -87.0f ? F{} - 87.0f : x;
+  const F n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const F r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) * (1 << 23);
-  float out;
-  std::memcpy(&out, &bits, 4);
+  I bits;
+  std::memcpy(&bits, &p, sizeof(F));
+  if constexpr (std::is_same_v<F, float>) bits += static_cast<int32_t>(n) * (1 << 23);
+  else bits += __builtin_convertvector(n, I) * (1 << 23);
+  F out;
+  std::memcpy(&out, &bits, sizeof(F));
   return out + (x - x);
 }
+__attribute__((always_inline)) inline float exp_le0(float x) { return exp_le0_impl<float, int32_t>(x); }
+__attribute__((always_inline)) inline lanes_t exp_le0(lanes_t x) { return exp_le0_impl<lanes_t, int_lanes_t>(x); }
 
 }  // namespace visattn
