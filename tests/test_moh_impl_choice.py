@@ -19,14 +19,15 @@ from visattn.attention.impl_probe import (
 )
 from visattn.attention.moh import PATHS
 from visattn.attention.routed_kernel import KERNEL_PATHS
-from visattn.kernels import moh_routed_heads_op
+from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op
 from visattn.utils.flops import count_flops
 
-# The compiled paths that run here (float32): their kernel needs a C++ toolchain, and routed_kernel MKL's GEMM
+# The compiled paths that run here (float32): their kernel needs a C++ toolchain, and routed_kernel and
+# routed_kernel_dense MKL's GEMM
 KERNEL_PATHS_HERE = {
     path for path, blas in (("routed_kernel", True), ("routed_kernel_loops", False), ("masked_kernel_loops", False))
     if moh_routed_heads_op(torch.float32, blas) is not None
-}
+} | ({"routed_kernel_dense"} if moh_routed_attention_op(torch.float32) is not None else set())
 
 
 def _moh(dim=32, heads=8, shared=2, topk=2, routing="token_choice", seed=0, **kwargs):
@@ -63,6 +64,7 @@ ALL_FAST = {
     "routed_kernel": 1.0,
     "routed_kernel_loops": 1.0,
     "masked_kernel_loops": 1.0,
+    "routed_kernel_dense": 1.0,
     "head_gather": 1.0,
     "head_gather_dense_out": 1.0,
 }
@@ -105,7 +107,7 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
 def test_masked_dense_timed_fastest_is_picked():
     m = _moh()
     timer = ScriptedTimer({"masked_dense": 1.0, "dense_projections": 1.5, "sparse_projections": 2.0, "routed_kernel": 2.0,
-                           "routed_kernel_loops": 2.0, "masked_kernel_loops": 2.0})
+                           "routed_kernel_loops": 2.0, "masked_kernel_loops": 2.0, "routed_kernel_dense": 2.0})
     with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
         m(torch.randn(2, 9, 32))
     assert m.last_path == "masked_dense"
@@ -146,7 +148,7 @@ def test_probe_rounds_are_interleaved_and_hopeless_paths_stop_after_the_warm_up(
 
 def test_the_decision_is_deterministic_given_the_timer():
     seconds = {"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0, "routed_kernel": 3.0,
-               "routed_kernel_loops": 3.0, "masked_kernel_loops": 3.0}
+               "routed_kernel_loops": 3.0, "masked_kernel_loops": 3.0, "routed_kernel_dense": 3.0}
     chosen = set()
     for _ in range(3):
         m = _moh()

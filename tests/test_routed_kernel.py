@@ -30,11 +30,19 @@ def _moh(dim=48, heads=8, shared=2, topk=3, seed=0, impl="dense", **kwargs):
 
 
 def _counted(monkeypatch, op):
-    """Count the kernel's calls (where visattn.kernels would hand it out)."""
+    """Count the kernels' calls (where visattn.kernels would hand them out): ``op``, and the attention
+    op of routed_kernel_dense."""
     calls = []
     real = kernels.moh_routed_heads_op
     monkeypatch.setattr(routed_kernel, "moh_routed_heads_op",
                         lambda dtype, blas=True: real(dtype, blas) and (lambda *a: calls.append(1) or op(*a)))
+    real_attention = kernels.moh_routed_attention_op
+
+    def counted_attention(dtype):
+        attention = real_attention(dtype)
+        return attention and (lambda *a: calls.append(1) or attention(*a))
+
+    monkeypatch.setattr(routed_kernel, "moh_routed_attention_op", counted_attention)
     return calls
 
 
@@ -52,15 +60,19 @@ LAYERS = [  # (heads, shared, topk, kwargs)
 
 
 HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
-@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops"])
+KERNEL_PATHS = ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops", "routed_kernel_dense"]
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 @pytest.mark.parametrize("heads, shared, topk, kwargs", LAYERS + HEAD_CHOICE + [(8, 2, 2, {"router": "l2norm"})])
 @pytest.mark.parametrize("B, N", [(3, 17), (1, 1), (2, 70)])  # 70 tokens: column blocks of 64 + a tail
 def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, heads, shared, topk, kwargs, B, N):
     """Each kernel path against the masked dense path, and against its PyTorch fallback (the skipping
-    paths: sparse_projections, for head choice head_gather). A dense layer (routed_topk=0) has no
-    masked_kernel_loops: routed_kernel_loops is the same computation there."""
+    paths: sparse_projections, for head choice head_gather; routed_kernel_dense: dense_projections). A
+    dense layer (routed_topk=0) has only routed_kernel_loops: nothing to skip, the others would be the
+    same computation."""
     m = _moh(dim=80, heads=heads, shared=shared, topk=topk, **kwargs)  # 80 wide: output blocks 64 + 16
-    if routed_kernel.routed_kernel_supported(m) is not None or (path == "masked_kernel_loops" and topk == 0):
+    if routed_kernel.routed_kernel_supported(m) is not None or (path != "routed_kernel_loops" and topk == 0):
         assert path not in m.paths
         with pytest.raises(ValueError, match=path):
             m.impl = path
@@ -168,7 +180,37 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops"])
+def test_the_attention_op_against_the_formula(kernel):
+    """routed_kernel_dense's op on a hand-made selection (a head no token chose, grouped keys and values,
+    queries read from wider rows, both biases): every column from first_head on is written, the gated
+    output where a pair is on and 0 where it is off; the columns before it are left as they were."""
+    torch.manual_seed(2)
+    B, N, H, Hkv, S, d = 3, 7, 4, 2, 1, 8
+    T = B * N
+    rows = torch.randn(T, H * d + 5)  # the queries in wider rows, as in the one matmul's output
+    q = rows[:, : H * d]
+    q_bias, v_bias = torch.randn(H * d), torch.randn(Hkv * d)
+    k, v = torch.randn(B, Hkv, N, d), torch.randn(B, Hkv, N, d)
+    mask = torch.rand(H - S, T) < 0.5
+    mask[1] = False
+    gates = torch.rand(T, H)
+    queries = (q + q_bias).view(B, N, H, d).transpose(1, 2)
+    keys, values = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v + v_bias.view(1, Hkv, 1, d)))
+    heads = torch.softmax(queries @ keys.transpose(-1, -2) / d**0.5, -1) @ values  # [B, H, N, d]
+    on = torch.cat([torch.ones(S, T, dtype=torch.bool), mask]).t()  # [T, H]
+    expected = (heads.transpose(1, 2).reshape(T, H, d) * (gates * on).unsqueeze(-1)).reshape(T, H * d)
+    op = kernels.moh_routed_attention_op(torch.float32)
+    if op is None:
+        pytest.skip("no MKL SGEMM in this torch build")
+    for first_head in (0, 2):
+        z = torch.full((T, H * d), float("nan"))
+        op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z)
+        torch.testing.assert_close(z[:, first_head * d :], expected[:, first_head * d :], rtol=1e-5, atol=1e-5)
+        assert z[:, : first_head * d].isnan().all()
+    assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_nan_in_one_image_stays_in_that_image(kernel, path):
     m = _moh()
     x = torch.randn(3, 9, 48)
@@ -223,13 +265,15 @@ def _check_loops_gradients(kernel, monkeypatch, path, heads, shared, topk, kwarg
 
 
 def test_gradients_dropout_and_the_kernels_off_take_the_pytorch_path(kernel, monkeypatch):
-    """Where the kernel has no backward (routed_kernel) or no dropout, the fallback is sparse_projections
-    itself, whose gradients tests/test_sparse_moh.py holds equal to the masked dense path's."""
+    """Where the kernel has no backward (routed_kernel, routed_kernel_dense) or no dropout, the fallback
+    is sparse_projections (dense_projections) itself, whose gradients tests/test_sparse_moh.py holds equal
+    to the masked dense path's."""
     m = _moh(attn_drop=0.1)
     x = torch.randn(2, 9, 48, requires_grad=True)
     calls = _counted(monkeypatch, kernel)
     out = PATHS["routed_kernel"](m, x)  # gradients wanted: not the kernel
     assert out.requires_grad and torch.equal(out, PATHS["sparse_projections"](m, x))
+    assert torch.equal(PATHS["routed_kernel_dense"](m, x), PATHS["dense_projections"](m, x))  # nor this one's
     out.square().sum().backward()
     assert x.grad is not None and m.qkv.weight.grad is not None
     with torch.no_grad():

@@ -15,6 +15,8 @@ Paths (all equal to the masked dense one up to float rounding):
   for head choice ``head_gather``, where the kernel cannot run);
 - ``masked_kernel_loops``: the masked dense computation in that kernel (the attention of every pair,
   unselected ones zeroed by their gates; float32); ``masked_dense`` where the kernel cannot run;
+- ``routed_kernel_dense``: ``dense_projections`` with the selected pairs' attention in the kernel
+  through MKL (float32); ``dense_projections`` where it cannot run;
 - ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
   batched matmuls (``visattn.attention.head_gather``).
 
@@ -35,13 +37,15 @@ from .head_gather import head_gather_forward, head_gather_supported
 from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
 from .routed_kernel import (
+    DENSE_KERNEL_PATH,
     KERNEL_PATHS,
     MASKED_KERNEL_PATH,
+    kernel_path_runs,
     kernel_runs,
     preferred_kernel_path,
+    routed_dense_forward,
     routed_kernel_forward,
     routed_kernel_supported,
-    uses_loops,
 )
 from .routing import default_budget
 from .sparse import (
@@ -59,6 +63,7 @@ PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
     "routed_kernel": lambda attn, x: routed_kernel_forward(attn, x, loops=False),
     "routed_kernel_loops": lambda attn, x: routed_kernel_forward(attn, x, loops=True),
     MASKED_KERNEL_PATH: lambda attn, x: routed_kernel_forward(attn, x, loops=True, every_head=True),
+    DENSE_KERNEL_PATH: routed_dense_forward,
     "head_gather": lambda attn, x: head_gather_forward(attn, x, output="rows"),
     "head_gather_dense_out": lambda attn, x: head_gather_forward(attn, x, output="dense"),
 }
@@ -244,7 +249,7 @@ class MoHAttention(HeadAttention):
         dtype = compute_dtype(x)
         probe = impl_probe()
         # the kernel paths that run here (the others would time sparse_projections again)
-        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_runs(self, x, uses_loops(p)))
+        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_path_runs(self, x, p))
         recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, kernels)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:

@@ -18,16 +18,25 @@ the image's output rows), so the output stays in cache and nothing is padded.
   and head (17 rows each) ran slower than ATen's matmuls over all rows even where half the pairs are off.
   With gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's
   attention and takes the projections' gradients as whole-tensor matmuls as well.
+- ``routed_kernel_dense`` (float32): the queries, keys and values of every (token, head) pair from one
+  matmul, the chosen pairs' attention in the kernel through MKL (``moh_routed_attention``: per image and
+  head, the chosen tokens' queries gathered, d values a row), the gated outputs in a [tokens, heads x
+  width] buffer, zero where a pair is off, and one output matmul: "dense projections with skipped
+  attention". It computes the projections of the pairs that are off too, yet where most routed pairs are
+  on it ran faster than ``routed_kernel``'s per-head GEMMs and gathers (whose narrow 64-column GEMMs ran
+  at half the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
 - ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
   every pair, unselected pairs zeroed by their gates. Until the projections became whole-tensor matmuls
   (9th session) it was the faster of the two where most routed heads are on; since then
   ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
   kernel cannot run it is ``masked_dense``.
 
-``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``,
+``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel`` and
+``routed_kernel_dense``,
 dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
-``VISATTN_KERNELS=0``), the first two are ``sparse_projections`` (head choice: ``head_gather``), the
-same computation in PyTorch; the tests hold them equal. So it is under a Python dispatch mode (the FLOP
+``VISATTN_KERNELS=0``), the first two are ``sparse_projections`` (head choice: ``head_gather``) and
+``routed_kernel_dense`` is ``dense_projections``: the same computations in PyTorch; the tests hold them
+equal. So it is under a Python dispatch mode (the FLOP
 counter, debug modes): the mode then sees every operation, and the executed FLOPs counted for these
 paths are the PyTorch path's (the same pairs; ``sparse_projections``' grouped attention also computes
 the padding rows).
@@ -38,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from visattn.kernels import moh_routed_heads_op
+from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op
 
 from .base import HeadAttention
 from .fused_gating import functorch_active
@@ -46,7 +55,8 @@ from .head_gather import head_gather_forward
 from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
 
 MASKED_KERNEL_PATH = "masked_kernel_loops"
-KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH)
+DENSE_KERNEL_PATH = "routed_kernel_dense"
+KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH, DENSE_KERNEL_PATH)
 # impl="sparse" takes routed_kernel_loops up to this many query weights per head (dim x head width):
 # the study's layers (96 x 12, 64 x 8) ran faster on the loops, ViT-S (384 x 64) and DiT-B (768 x 64)
 # on MKL (docs/benchmarks.md). impl="auto" measures instead.
@@ -71,7 +81,7 @@ def routed_kernel_supported(attn: HeadAttention) -> str | None:
 
 def uses_loops(path: str) -> bool:
     """Whether kernel path ``path`` runs the kernel's own loops (float32, with a backward)."""
-    return path != "routed_kernel"
+    return path not in ("routed_kernel", DENSE_KERNEL_PATH)
 
 
 def preferred_kernel_path(attn: HeadAttention) -> str:
@@ -86,14 +96,26 @@ def needs_grad(attn: HeadAttention, x: torch.Tensor) -> bool:
 def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bool:
     """Whether ``routed_kernel_forward(attn, x, loops)`` runs the kernel (else its PyTorch equivalent),
     outside dispatch modes. With gradients only the loops have a backward (``_HeadsLoops``)."""
-    dtype = compute_dtype(x)
+    return _cpu_eager(attn, x, backward=loops) and moh_routed_heads_op(compute_dtype(x), blas=not loops) is not None
+
+
+def kernel_path_runs(attn: HeadAttention, x: torch.Tensor, path: str) -> bool:
+    """Whether kernel path ``path`` runs its kernel for x (else its PyTorch equivalent), outside dispatch
+    modes."""
+    if path == DENSE_KERNEL_PATH:
+        return _cpu_eager(attn, x, backward=False) and moh_routed_attention_op(compute_dtype(x)) is not None
+    return kernel_runs(attn, x, uses_loops(path))
+
+
+def _cpu_eager(attn: HeadAttention, x: torch.Tensor, backward: bool) -> bool:
+    """A plain CPU tensor outside functorch, no dropout in training, and gradients only where the path
+    has a ``backward``."""
     return (
         x.device.type == "cpu"
-        and (loops or not needs_grad(attn, x))
+        and (backward or not needs_grad(attn, x))
         and not (attn.training and attn.attn_drop.p > 0)
         and type(x) is torch.Tensor
         and not functorch_active()
-        and moh_routed_heads_op(dtype, blas=not loops) is not None
     )
 
 
@@ -177,6 +199,42 @@ def _bias_after_matmul(attn: HeadAttention, x: torch.Tensor) -> bool:
     values' bias adds b_v to each head's output, as every row of probabilities sums to 1. The kernel
     adds it there (``v_bias``), and the shared queries get theirs added to their columns alone."""
     return not needs_grad(attn, x) and isinstance(attn.k_norm, torch.nn.Identity)
+
+
+def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
+    ``routed_kernel_dense``: one matmul for every head's queries, keys and values (and the router's
+    logits), the chosen pairs' attention in the kernel, one output matmul. Call only when
+    ``routed_kernel_supported(attn)`` is None."""
+    op = moh_routed_attention_op(compute_dtype(x))
+    if op is None or not kernel_path_runs(attn, x, DENSE_KERNEL_PATH) or _get_current_dispatch_mode() is not None:
+        return sparse_moh_forward(attn, x, projections="dense")
+    B, N, C = x.shape
+    T = B * N
+    H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
+    x = x.float().contiguous()
+    widths = [attn.attn_dim, attn.kv_dim, attn.kv_dim]
+    # Without qkv's bias (_bias_after_matmul): the kernel adds the queries' and the values' to the pairs
+    # it computes; the keys' cancels in the softmax
+    if attn.router_columns:
+        (q, k, v), logits = attn.linear_with_logits(x, [attn.qkv.weight], None, widths)
+    else:
+        (q, k, v), logits = torch.nn.functional.linear(x, attn.qkv.weight).split(widths, dim=-1), None
+    q_b = k_b = v_b = None
+    if attn.qkv.bias is not None:
+        q_b, k_b, v_b = attn.qkv.bias.split(widths)
+    k = k.view(B, N, Hkv, d)
+    if k_b is not None and not isinstance(attn.k_norm, torch.nn.Identity):  # normalised keys keep their bias
+        k = k + k_b.view(Hkv, d)
+    k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
+    v = v.view(B, N, Hkv, d).transpose(1, 2)
+    gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
+    shared = attn.router.shared_heads
+    routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
+    z = x.new_empty(T, H * d)  # every head's gated output; the kernel writes all of it
+    op(q.reshape(T, attn.attn_dim), q_b, k, v, v_b, routed_mask, gates.reshape(T, H), shared, 0, z)
+    out = torch.nn.functional.linear(z, attn.proj.weight, attn.proj.bias)
+    return attn.proj_drop(out.view(B, N, -1))
 
 
 def _same_in_pytorch(attn: HeadAttention, x: torch.Tensor, every_head: bool) -> torch.Tensor:

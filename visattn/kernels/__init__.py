@@ -86,6 +86,15 @@ def moh_routed_heads_op(dtype: torch.dtype, blas: bool = True) -> Callable | Non
     return torch.ops.visattn.moh_routed_heads if ok else None
 
 
+def moh_routed_attention_op(dtype: torch.dtype) -> Callable | None:
+    """``torch.ops.visattn.moh_routed_attention`` (the attention of the chosen pairs, for callers that
+    project densely) where it can run ``dtype`` inputs: float32, with MKL's SGEMM; else None (as
+    ``moh_routing_op``)."""
+    if _OFF.get() or not _load() or dtype != torch.float32 or not _has_blas(dtype):
+        return None
+    return torch.ops.visattn.moh_routed_attention
+
+
 def has_sgemm() -> bool:
     """Whether the kernels that call MKL's SGEMM run here (``moh_gated_proj``, ``routed_kernel``): the
     kernels built and on, and the running torch build exports SGEMM."""

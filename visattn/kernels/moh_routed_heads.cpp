@@ -325,6 +325,56 @@ void heads_blas(const Heads<T>& p) {
   });
 }
 
+// The attention alone, float32, through MKL's GEMMs, for callers that project densely (the whole-tensor
+// matmuls run faster than the per-head GEMMs of heads_blas where most routed pairs are on, 10th session):
+// per image and head from `first_head` on, the chosen tokens' queries (their rows of q, plus q_bias) are
+// gathered, attended against the image's keys and values, and gated into the tokens' rows of z [T, H*d];
+// the rows of tokens that did not choose the head are set to 0. q: [T, >= H*d] (row stride q_ld); k/v:
+// [B, Hkv, N, d]; q_bias [H*d] and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it).
+void heads_attention_blas(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
+                          const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
+                          const float* v_bias, const bool* mask, const float* gates, float* z) {
+  const int64_t Hd = H * d, group = H / Hkv;
+  const int ldk = static_cast<int>(k.stride(2)), ldv = static_cast<int>(v.stride(2));
+  const float *k0 = k.data_ptr<float>(), *v0 = v.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<int64_t> rows;
+    std::vector<float> qg, s, o, inv;
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t h = first_head; h < H; ++h) {
+        chosen_rows(mask, h, S, b, N, B * N, rows);
+        const int64_t m = static_cast<int64_t>(rows.size()), kvh = h / group;
+        float* z_img = z + b * N * Hd + h * d;
+        if (m > 0) {
+          qg.resize(m * d);
+          for (int64_t i = 0; i < m; ++i) {
+            const float* src = q + (b * N + rows[i]) * q_ld + h * d;
+            for (int64_t c = 0; c < d; ++c) qg[i * d + c] = src[c] + (q_bias ? q_bias[h * d + c] : 0.f);
+          }
+          s.resize(m * N);
+          gemm(true, m, N, d, scale, qg.data(), d, k0 + b * k.stride(0) + kvh * k.stride(1), ldk, s.data(), N);
+          inv.resize(m);
+          for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
+          o.resize(m * d);
+          gemm(false, m, d, N, 1.f, s.data(), N, v0 + b * v.stride(0) + kvh * v.stride(1), ldv, o.data(), d);
+        }
+        const float* bv = v_bias ? v_bias + kvh * d : nullptr;
+        for (int64_t n = 0, i = 0; n < N; ++n) {
+          float* zr = z_img + n * Hd;
+          if (i < m && rows[i] == n) {
+            const float g = gates[(b * N + n) * H + h];
+            for (int64_t c = 0; c < d; ++c) zr[c] = (o[i * d + c] * inv[i] + (bv ? bv[c] : 0.f)) * g;
+            ++i;
+          } else {
+            std::memset(zr, 0, d * sizeof(float));
+          }
+        }
+      }
+    }
+  });
+}
+
 // The attention of heads_loops, float32, one image at a time, given every token's queries q [T, H*d]: for
 // each head from `first_head` on and the tokens that chose it (every token for a shared head), the
 // scores' exponentials and the output through small_gemm (K^T and V as padded copies once per image and
@@ -532,6 +582,37 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   }
 }
 
+// The attention of every (token, head) pair chosen, heads from first_head on, for a caller that projects
+// queries and outputs itself (heads_attention_blas): q [T, >= H*d] (unit column stride), q_bias [H*d] or
+// None, k/v [B, Hkv, N, d] (unit last stride), v_bias [Hkv*d] or None (v computed without it),
+// routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] contiguous: its columns of heads >= first_head
+// are written (gated outputs, 0 where a pair is off). float32, MKL's SGEMM (check moh_routed_blas).
+void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
+                          const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
+                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z) {
+  for (const at::Tensor& t : {q, k, v, z, gates})
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "moh_routed_attention: float32 tensors");
+  for (const auto& t : {q_bias, v_bias})
+    TORCH_CHECK(!t.has_value() || (t->scalar_type() == at::kFloat && t->is_contiguous()),
+                "moh_routed_attention: biases float32, contiguous");
+  TORCH_CHECK(sgemm_fn() != nullptr, "moh_routed_attention: no MKL SGEMM in this torch build");
+  const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1), T = B * N;
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == T && q.stride(1) == 1 && q.size(1) >= H * d, "moh_routed_attention: q");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0, "moh_routed_attention: k, v");
+  TORCH_CHECK(z.is_contiguous() && z.size(0) == T && z.size(1) == H * d, "moh_routed_attention: z [T, H*d]");
+  TORCH_CHECK(gates.is_contiguous() && gates.size(0) == T && routed_mask.scalar_type() == at::kBool &&
+                  routed_mask.is_contiguous() && routed_mask.size(0) == H - S && routed_mask.size(1) == T &&
+                  0 <= first_head && first_head <= H,
+              "moh_routed_attention: gates, routed_mask, first_head");
+  TORCH_CHECK(!q_bias.has_value() || q_bias->numel() == H * d, "moh_routed_attention: q_bias [H*d]");
+  TORCH_CHECK(!v_bias.has_value() || v_bias->numel() == Hkv * d, "moh_routed_attention: v_bias [Hkv*d]");
+  if (T == 0) return;
+  heads_attention_blas(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
+                       q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr, k, v,
+                       v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, routed_mask.data_ptr<bool>(),
+                       gates.data_ptr<float>(), z.data_ptr<float>());
+}
+
 // The gradients of moh_routed_heads(..., first_head = 0, small_gemm = true) for grad_out [T, Co]: dx [T, C],
 // d(qkv_w's query rows) [H * d, C], d(their bias) [H * d] (empty without a bias), d(proj_w) [Co, H * d],
 // dk and dv [B, Hkv, N, d] and dgates [T, H] (0 where a head is off). The selection gets none.
@@ -587,9 +668,12 @@ TORCH_LIBRARY_FRAGMENT(visattn, m) {
         "Tensor? out_bias=None) -> ()");
   m.def("moh_routed_heads_backward(Tensor grad_out, Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, "
         "Tensor v, Tensor routed_mask, Tensor gates, int S) -> Tensor[]");
+  m.def("moh_routed_attention(Tensor q, Tensor? q_bias, Tensor k, Tensor v, Tensor? v_bias, Tensor routed_mask, "
+        "Tensor gates, int S, int first_head, Tensor(a!) z) -> ()");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_routed_heads", &moh_routed_heads);
   m.impl("moh_routed_heads_backward", &moh_routed_heads_backward);
+  m.impl("moh_routed_attention", &moh_routed_attention);
 }
