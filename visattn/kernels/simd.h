@@ -26,8 +26,8 @@ typedef int32_t int_lanes_t __attribute__((vector_size(kLanes * sizeof(int32_t))
 // exp(x) for a softmax's x = value - max <= 0, branch-free (Cody-Waite range reduction, degree-6
 // polynomial: within 2 ulp of expf). Below -87 it returns exp(-87) ~ 1.6e-38 instead of a denormal or 0
 // (no difference to a sum or a ranking of probabilities); NaN gives NaN (so does -inf, which only
-// non-finite logits produce). One template for a float and for lanes_t, so that the loops over a row
-// need not rely on the compiler vectorising the scalar version (it did not, through the bit casts).
+// non-finite logits produce). One template for a float and for lanes_t (a whole block in explicit SIMD
+// code, for loops that do not leave the vectorising to the compiler).
 // Always inlined: an out-of-line copy would be compiled for the baseline, and a lanes_t passed to it from
 // an AVX-512 clone would not be where it looks (the calling conventions differ per target).
 template <typename F, typename I>
