@@ -40,8 +40,12 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("blas.h", "simd.h")]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
-# conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math.
-CFLAGS = ["-O3", "-fno-trapping-math"]
+# conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math. -fopenmp makes
+# at::parallel_for parallel: ATen's header runs it on the calling thread alone where _OPENMP is not
+# defined, so until the 10th session every kernel ran on one thread whatever torch.set_num_threads said
+# (the libgomp it links is the one torch has loaded: the same soname).
+CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("visattn_kernels_off", default=False)
 
 
@@ -53,7 +57,7 @@ def _build_name() -> str:
     """A name per source, flags, torch, Python and processor architecture: another version builds
     apart instead of loading a stale one (no -march: one build serves every x86-64 CPU)."""
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    key = f"{sources!r}{CFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}"
+    key = f"{sources!r}{CFLAGS}{LDFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}"
     return "visattn_kernels_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -123,8 +127,10 @@ def _load() -> bool:
         else:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+            # copies: cpp_extension appends to the lists it is given, which would change _build_name
+            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
+                               verbose=False)
         return True
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the PyTorch path
         log.warning("MoH kernels unavailable (%s: %s); MoH runs its PyTorch code (same results, slower). "
