@@ -293,15 +293,16 @@ def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     labels = [r["label"] for r in rows]
     assert labels[0] == "mha"
+    kernel_paths = ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops", "routed_kernel_dense"]
     for prefix, paths in (
-        ("moh-50", ["sparse_projections", "routed_kernel", "routed_kernel_loops", "masked_kernel_loops"]),
-        ("hc-50", ["head_gather", "head_gather_dense_out", "masked_kernel_loops"]),
+        ("moh-50", ["sparse_projections", *kernel_paths]),
+        ("hc-50", ["head_gather", "head_gather_dense_out", *kernel_paths]),
     ):
         for path in ["masked_dense", "dense_projections", *paths, "auto"]:
             assert f"{prefix} {path}" in labels
     auto = {r["label"]: r for r in rows}["hc-50 auto"]
-    assert auto["auto_path"] in ("masked_dense", "dense_projections", "head_gather", "head_gather_dense_out",
-                                 "masked_kernel_loops")
+    hc_paths = {label.removeprefix("hc-50 ") for label in labels if label.startswith("hc-50 ")} - {"auto"}
+    assert auto["auto_path"] in hc_paths  # whichever timed fastest here, one of the rows
     assert {r["label"]: r for r in rows}["moh-50 masked_dense"]["vs_masked"] == 1.0
     printed = capsys.readouterr().out
     assert printed.startswith("Machine: ") and f"auto -> {auto['auto_path']}" in printed

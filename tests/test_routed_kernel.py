@@ -302,7 +302,7 @@ def test_flop_counting_sees_the_pytorch_equivalent(kernel, monkeypatch):
 def test_impl_sparse_prefers_the_kernel_and_the_path_list_names_it_where_it_applies():
     assert _moh(impl="sparse").fixed_path == "routed_kernel_loops"  # few tokens per routed head, small heads
     assert _moh(dim=384, heads=6, shared=1, topk=2, impl="sparse").fixed_path == "routed_kernel"  # ViT-S
-    assert _moh(topk=5, impl="sparse").fixed_path == "dense_projections"  # most of the pool per token
+    assert _moh(topk=5, impl="sparse").fixed_path == "routed_kernel_dense"  # most of the pool per token
     assert {"routed_kernel", "routed_kernel_loops"} <= set(_moh().paths)
     assert {"routed_kernel", "routed_kernel_loops", "head_gather"} <= set(_moh(routing="head_choice").paths)
     assert _moh(routing="head_choice", impl="sparse").fixed_path == "head_gather"

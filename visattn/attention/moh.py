@@ -113,7 +113,10 @@ def _fixed_path(attn: HeadAttention, impl: str, paths: list[str]) -> str | None:
         few = routed_density(attn) <= SPARSE_PROJECTION_MAX_DENSITY
         if few and "routed_kernel" in paths:
             return preferred_kernel_path(attn)  # sparse_projections where the kernel cannot run
-        return "sparse_projections" if few and "sparse_projections" in paths else "dense_projections"
+        if few and "sparse_projections" in paths:
+            return "sparse_projections"
+        # dense projections: compiled where the kernel runs, else the same computation in PyTorch
+        return DENSE_KERNEL_PATH if DENSE_KERNEL_PATH in paths else "dense_projections"
     if impl not in paths:
         raise ValueError(
             f"impl={impl!r} is not available for this layer (routing={attn.router.routing!r}, "
