@@ -31,15 +31,13 @@ the image's output rows), so the output stays in cache and nothing is padded.
   ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
   kernel cannot run it is ``masked_dense``.
 
-``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel`` and
-``routed_kernel_dense``,
-dropout in training, a device other than the CPU, a dtype it does not serve, no C++ toolchain,
-``VISATTN_KERNELS=0``), the first two are ``sparse_projections`` (head choice: ``head_gather``) and
-``routed_kernel_dense`` is ``dense_projections``: the same computations in PyTorch; the tests hold them
-equal. So it is under a Python dispatch mode (the FLOP
-counter, debug modes): the mode then sees every operation, and the executed FLOPs counted for these
-paths are the PyTorch path's (the same pairs; ``sparse_projections``' grouped attention also computes
-the padding rows).
+``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``
+and ``routed_kernel_dense``, dropout in training, a device other than the CPU, a dtype it does not
+serve, no C++ toolchain, ``VISATTN_KERNELS=0``), the first two are ``sparse_projections`` (head choice:
+``head_gather``) and ``routed_kernel_dense`` is ``dense_projections``: the same computations in PyTorch;
+the tests hold them equal. So it is under a Python dispatch mode (the FLOP counter, debug modes): the
+mode then sees every operation, and the executed FLOPs counted for these paths are the PyTorch path's
+(the same pairs; ``sparse_projections``' grouped attention also computes the padding rows).
 """
 
 from __future__ import annotations
@@ -193,11 +191,11 @@ def _bias_after_matmul(attn: HeadAttention, x: torch.Tensor) -> bool:
     """Whether the keys and values may come from a matmul without qkv's bias (inference, float32).
 
     An addmm first copies its bias into every output row: on the [tokens, 800-1900] keys-and-values
-    matmul at ViT-S / DiT-B/2 sizes that took 1.7-2.9 ms, 6-8% of the matmul (docs/benchmarks.md, 10th
-    session). The keys' bias adds q . b_k to every score of a query,
-    which the softmax removes (it is shift-invariant), unless k_norm normalises the keys first; the
-    values' bias adds b_v to each head's output, as every row of probabilities sums to 1. The kernel
-    adds it there (``v_bias``), and the shared queries get theirs added to their columns alone."""
+    matmul at ViT-S / DiT-B/2 sizes that took 1.7-2.9 ms, 6-8% of the matmul (docs/results/benchmarks.md,
+    10th session). The keys' bias adds q . b_k to every score of a query, which the softmax removes (it
+    is shift-invariant), unless k_norm normalises the keys first; the values' bias adds b_v to each
+    head's output, as every row of probabilities sums to 1. The kernel adds it there (``v_bias``), and
+    the shared queries get theirs added to their columns alone."""
     return not needs_grad(attn, x) and isinstance(attn.k_norm, torch.nn.Identity)
 
 
