@@ -160,7 +160,7 @@ def routed_kernel_forward(
         routed_mask = x.new_zeros((0, T), dtype=torch.bool)
     else:
         gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
-        routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
+        routed_mask = _routed_mask(selected, shared)
 
     if loops and needs_grad(attn, x):
         wq = attn.qkv.weight[: attn.attn_dim]
@@ -228,11 +228,18 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     v = v.view(B, N, Hkv, d).transpose(1, 2)
     gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
     shared = attn.router.shared_heads
-    routed_mask = selected.permute(2, 0, 1).reshape(H, T)[shared:].contiguous()  # [E, T], head-major
+    routed_mask = _routed_mask(selected, shared)
     z = x.new_empty(T, H * d)  # every head's gated output; the kernel writes all of it
     op(q.reshape(T, attn.attn_dim), q_b, k, v, v_b, routed_mask, gates.reshape(T, H), shared, 0, z)
     out = torch.nn.functional.linear(z, attn.proj.weight, attn.proj.bias)
     return attn.proj_drop(out.view(B, N, -1))
+
+
+def _routed_mask(selected: torch.Tensor, shared: int) -> torch.Tensor:
+    """selected: [B, N, H] bool -> the routed heads' rows [H - shared, B * N], head-major, as the kernel
+    reads them."""
+    B, N, H = selected.shape
+    return selected.permute(2, 0, 1).reshape(H, B * N)[shared:].contiguous()
 
 
 def _same_in_pytorch(attn: HeadAttention, x: torch.Tensor, every_head: bool) -> torch.Tensor:
