@@ -147,15 +147,32 @@ def test_one_matmul_gives_shared_queries_keys_values_and_router_logits_in_float3
     assert m.router.logit_rows in widths  # bf16: the router's own matmul
 
 
-def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel):
+def _fused_or_skip(fused: bool, d: int) -> None:
+    """fused=True where the fused attention cannot run (a head width it does not serve) still runs: MKL's."""
+    if fused and d % 16 == 0 and not torch.ops.visattn.moh_fused_attention(d):
+        pytest.skip("no AVX-512 here: the fused attention (fused_attention.h) does not run on this CPU")
+
+
+# (head width, tokens): 8 wide (MKL whatever `fused` says); 16 wide with 45 tokens, so heads of 16-32
+# chosen queries (one tile of 32 lanes) and of 16 or fewer (one of 16), keys in blocks of 12 plus a tail;
+# 64 wide with 70 tokens: several tiles, the width of ViT-S and DiT heads
+HEAD_WIDTHS = [(8, 7), (16, 45), (64, 70)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("d, N", HEAD_WIDTHS)
+def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel, d, N, fused):
     """The op itself on a hand-made selection (not top-k: a token may have 0..E heads, a head 0..N
     tokens, one head none at all) against the MoH formula written out; the values come without their
     bias (``v_bias``), which the kernel adds to each head's output, and ``out`` without the output's
-    (``out_bias``), which it adds to every row."""
+    (``out_bias``), which it adds to every row. ``fused``: the attention in fused_attention.h's loops
+    (where this CPU runs them) or through MKL."""
+    _fused_or_skip(fused, d)
     torch.manual_seed(1)
-    B, N, C, H, S, d = 3, 7, 32, 4, 1, 8
+    B, H, S = 3, 4, 1
+    C = H * d
     x = torch.randn(B * N, C)
-    qkv_w, qkv_b, proj_w = torch.randn(3 * C, C) / 6, torch.randn(3 * C), torch.randn(C, C) / 6
+    qkv_w, qkv_b, proj_w = torch.randn(3 * C, C) / C**0.5, torch.randn(3 * C), torch.randn(C, C) / C**0.5
     k, v = torch.randn(B, H, N, d), torch.randn(B, H, N, d)
     mask = torch.rand(H - S, B * N) < 0.4
     mask[1] = False  # routed head 2: chosen by no token
@@ -166,7 +183,7 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
     for first_head, loops in ((S, False), (0, False), (0, True), (S, True)):
         outs[first_head, loops] = out = base.clone()
         kernel(x, qkv_w, qkv_b, proj_w, k, v - v_bias.view(H, 1, d), v_bias, mask.contiguous(), gates, S, first_head,
-               loops, out, out_bias)
+               loops, out, out_bias, fused)
 
     q = (x @ qkv_w[: H * d].t() + qkv_b[: H * d]).view(B, N, H, d).transpose(1, 2)
     heads = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, -1) @ v  # [B, H, N, d]
@@ -180,12 +197,16 @@ def test_heads_no_token_chose_and_tokens_of_any_count_against_the_formula(kernel
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_attention_op_against_the_formula(kernel):
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("d, N", HEAD_WIDTHS)
+def test_the_attention_op_against_the_formula(kernel, d, N, fused):
     """routed_kernel_dense's op on a hand-made selection (a head no token chose, grouped keys and values,
     queries read from wider rows, both biases): every column from first_head on is written, the gated
-    output where a pair is on and 0 where it is off; the columns before it are left as they were."""
+    output where a pair is on and 0 where it is off; the columns before it are left as they were. With
+    ``fused`` the attention runs in fused_attention.h's loops where this CPU allows, else through MKL."""
+    _fused_or_skip(fused, d)
     torch.manual_seed(2)
-    B, N, H, Hkv, S, d = 3, 7, 4, 2, 1, 8
+    B, H, Hkv, S = 3, 4, 2, 1
     T = B * N
     rows = torch.randn(T, H * d + 5)  # the queries in wider rows, as in the one matmul's output
     q = rows[:, : H * d]
@@ -204,16 +225,50 @@ def test_the_attention_op_against_the_formula(kernel):
         pytest.skip("no MKL SGEMM in this torch build")
     for first_head in (0, 2):
         z = torch.full((T, H * d), float("nan"))
-        op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z)
+        op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z, fused)
         torch.testing.assert_close(z[:, first_head * d :], expected[:, first_head * d :], rtol=1e-5, atol=1e-5)
         assert z[:, : first_head * d].isnan().all()
     assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
 
 
+def test_the_fused_attention_runs_where_the_cpu_has_avx512():
+    """fused_attention.h serves heads 16, 32, 48 or 64 wide on a CPU with AVX-512 and FMA, else no head:
+    the ops then take MKL's GEMMs (the tests above run both where both run)."""
+    if kernels.moh_routing_op() is None:
+        pytest.skip("no C++ toolchain: no kernels")
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    avx512 = "avx512f" in flags and "fma" in flags
+    fused = torch.ops.visattn.moh_fused_attention
+    assert [fused(d) for d in (16, 32, 48, 64)] == [avx512] * 4
+    assert not any(fused(d) for d in (8, 12, 24, 72, 80, 128))
+
+
+@pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_dense"])
+@pytest.mark.parametrize("heads, shared, topk, kwargs", [
+    (4, 1, 2, {"qkv_bias": True}),
+    (4, 1, 2, {"qkv_bias": True, "num_kv_heads": 2}),
+    (4, 1, 2, {"routing": "head_choice"}),
+])
+@pytest.mark.parametrize("dim", [64, 256])  # heads 16 and 64 wide: the fused attention's widths
+def test_layers_with_the_fused_attention_s_widths_equal_the_masked_dense_path(
+        kernel, monkeypatch, path, heads, shared, topk, kwargs, dim):
+    """The MKL paths at head widths the fused attention serves (where this CPU runs it, it does), over
+    several tiles of queries and a tail of keys, against the masked dense path."""
+    m = _moh(dim=dim, heads=heads, shared=shared, topk=topk, **kwargs)
+    x = torch.randn(2, 70, dim)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        out = PATHS[path](m, x)
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-def test_nan_in_one_image_stays_in_that_image(kernel, path):
-    m = _moh()
-    x = torch.randn(3, 9, 48)
+@pytest.mark.parametrize("dim", [48, 64])  # 64: 16-wide heads, the fused attention's where it runs
+def test_nan_in_one_image_stays_in_that_image(kernel, path, dim):
+    m = _moh(dim=dim, heads=4, shared=1, topk=2)
+    x = torch.randn(3, 9, dim)
     x[1, 4] = float("nan")
     with torch.no_grad():
         ref = m.dense_forward(x)

@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from visattn.kernels import build_id
+
 from .base import HeadAttention
 from .head_gather import head_gather_forward, head_gather_supported
 from .impl_probe import PathChoice, device_name, impl_probe
@@ -265,7 +267,7 @@ class MoHAttention(HeadAttention):
         else:
             paths = [path for path in self.paths if path not in KERNEL_PATHS or path in kernels]
             runs = {path: (lambda path=path: PATHS[path](self, x)) for path in paths}
-            key = (*self.probe_key(x, device, dtype_name), kernels)
+            key = (*self.probe_key(x, device, dtype_name), kernels, kernels and build_id())
             choice = probe.choose(key, runs, REFERENCE_PATH, shape, dtype_name, device)
         self._recall = (recall, probe, choice)
         self.path_log[f"{list(shape)} {dtype_name}"] = choice

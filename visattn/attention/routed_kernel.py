@@ -19,10 +19,9 @@ the image's output rows), so the output stays in cache and nothing is padded.
   With gradients it runs the kernel's backward too (``_HeadsLoops``), which recomputes each head's
   attention and takes the projections' gradients as whole-tensor matmuls as well.
 - ``routed_kernel_dense`` (float32): the queries, keys and values of every (token, head) pair from one
-  matmul, the chosen pairs' attention in the kernel through MKL (``moh_routed_attention``: per image and
-  head, the chosen tokens' queries gathered, d values a row), the gated outputs in a [tokens, heads x
-  width] buffer, zero where a pair is off, and one output matmul: "dense projections with skipped
-  attention". It computes the projections of the pairs that are off too, yet where most routed pairs are
+  matmul, the chosen pairs' attention in the kernel (``moh_routed_attention``: per image and head, the
+  chosen tokens' queries gathered, d values a row), the gated outputs in a [tokens, heads x width]
+  buffer, zero where a pair is off, and one output matmul: "dense projections with skipped attention". It computes the projections of the pairs that are off too, yet where most routed pairs are
   on it ran faster than ``routed_kernel``'s per-head GEMMs and gathers (whose narrow 64-column GEMMs ran
   at half the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
 - ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
@@ -30,6 +29,12 @@ the image's output rows), so the output stays in cache and nothing is padded.
   (9th session) it was the faster of the two where most routed heads are on; since then
   ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
   kernel cannot run it is ``masked_dense``.
+
+In float32 the attention of ``routed_kernel`` and ``routed_kernel_dense`` runs in AVX-512 loops of its own
+(``visattn/kernels/fused_attention.h``: scores, softmax and values per tile of 32 queries in registers and
+L1, the next head's rows prefetched) where the CPU has AVX-512 and heads are 16-64 wide; there it took
+0.80-0.88x the time of MKL's two GEMMs per image and head, which ran as fast as SDPA does (11th session).
+Elsewhere, and in bfloat16, it is MKL's GEMMs.
 
 ``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``
 and ``routed_kernel_dense``, dropout in training, a device other than the CPU, a dtype it does not

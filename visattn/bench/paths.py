@@ -6,6 +6,11 @@ has (masked dense, dense projections, sparse projections) and through ``auto``; 
 through its paths (masked dense, dense projections, head gather) and ``auto``. Rows give the
 inference time relative to ``mha`` and to the masked dense path of the same routing and budget, and
 for ``auto`` the path its probe chose. Inference only (eval, no grad).
+
+The reference stays ``mha`` as users run it (timm's layer: SDPA, an addmm with qkv's bias). A second
+MHA row, ``mha kernel_parts``, computes the same layer with the parts MoH's float32 kernel paths use
+(``MHAOnKernelParts``): where it beats ``mha``, that much of MoH's margin comes from those parts, not
+from the heads it skips.
 """
 
 from __future__ import annotations
@@ -15,18 +20,50 @@ from typing import Any
 import torch
 
 from visattn.attention import build_attention, impl_choices
+from visattn.attention.sparse import compute_dtype
+from visattn.kernels import moh_routed_attention_op
 
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
 from .measure import measure_cases
 from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
+KERNEL_PARTS = "mha kernel_parts"
+
+
+class MHAOnKernelParts(torch.nn.Module):
+    """An ``mha`` layer computed as ``routed_kernel_dense`` computes MoH in float32 inference, every head
+    on: one matmul without qkv's bias (the keys' cancels in the softmax; the kernel adds the queries' and
+    the values'), the attention in ``moh_routed_attention`` (fused AVX-512 loops where the CPU has them),
+    one output matmul. Equal to ``mha`` to float rounding. Elsewhere (bf16, no kernels, gradients, qk
+    norms) it is the ``mha`` layer itself. x: [B, N, C] -> [B, N, dim_out]."""
+
+    def __init__(self, mha: torch.nn.Module) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mha = self.mha
+        op = moh_routed_attention_op(compute_dtype(x))
+        plain = isinstance(mha.q_norm, torch.nn.Identity) and isinstance(mha.k_norm, torch.nn.Identity)
+        if op is None or torch.is_grad_enabled() or not plain or x.device.type != "cpu":
+            return mha(x)
+        B, N, _ = x.shape
+        T, H, d, Hkv = B * N, mha.num_heads, mha.head_dim, mha.num_kv_heads
+        widths = [mha.attn_dim, mha.kv_dim, mha.kv_dim]
+        q, k, v = torch.nn.functional.linear(x.contiguous(), mha.qkv.weight).split(widths, dim=-1)
+        q_b, _, v_b = mha.qkv.bias.split(widths) if mha.qkv.bias is not None else (None, None, None)
+        k, v = (t.view(B, N, Hkv, d).transpose(1, 2) for t in (k, v))
+        z = x.new_empty(T, H * d)
+        no_routed = torch.zeros(0, T, dtype=torch.bool)
+        op(q.reshape(T, -1), q_b, k, v, v_b, no_routed, x.new_ones(T, H), H, 0, z)
+        return torch.nn.functional.linear(z, mha.proj.weight, mha.proj.bias).view(B, N, -1)
 
 
 def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:
     """``mha``, then per budget and routing one row per path of the layer and one for ``auto``
     (labels ``moh-50 masked_dense``, ``hc-75 auto``, ...)."""
-    cases = [AttentionCase("mha", "mha", train=False)]
+    cases = [AttentionCase("mha", "mha", train=False), AttentionCase(KERNEL_PARTS, "mha", train=False)]
     for fraction in budgets:
         shared, topk = moh_budget(shape.heads, fraction)
         for prefix, routing in ROUTINGS.items():
@@ -87,6 +124,8 @@ def _shape_rows(
 
     def build(label: str, name: str, kwargs: dict[str, Any]) -> Workload:
         works[label] = build_attention_workload(name, kwargs, shape)
+        if label == KERNEL_PARTS:
+            works[label].module = MHAOnKernelParts(works[label].module)
         return works[label]
 
     cases = {c.label: (c, (c.label, c.name, c.kwargs)) for c in path_cases(shape, budgets)}

@@ -10,7 +10,10 @@
 - ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
   selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
   ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch
-  build (None for a dtype whose GEMM the build does not export); without, its own loops (float32).
+  build (None for a dtype whose GEMM the build does not export); without, its own loops (float32). In
+  float32 on a CPU with AVX-512 the attention between them runs in ``fused_attention.h``'s loops
+  (``torch.ops.visattn.moh_fused_attention(head_dim)`` says where).
+- ``moh_routed_attention_op(dtype)``: the chosen pairs' attention alone, for ``routed_kernel_dense``.
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -38,7 +41,7 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("blas.h", "simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("blas.h", "fused_attention.h", "simd.h")]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math. -fopenmp makes
 # at::parallel_for parallel: ATen's header runs it on the calling thread alone where _OPENMP is not
@@ -53,12 +56,19 @@ def kernel_dir() -> Path:
     return Path(os.environ.get("VISATTN_KERNEL_DIR", Path.home() / ".cache" / "visattn" / "kernels"))
 
 
+@functools.cache
 def _build_name() -> str:
     """A name per source, flags, torch, Python and processor architecture: another version builds
     apart instead of loading a stale one (no -march: one build serves every x86-64 CPU)."""
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = f"{sources!r}{CFLAGS}{LDFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}"
     return "visattn_kernels_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def build_id() -> str | None:
+    """The name of the kernels' build this process loaded (it changes with their source, flags and torch),
+    or None where they are off or failed: what a cached measurement of them depends on."""
+    return None if _OFF.get() or not _load() else _build_name()
 
 
 @contextlib.contextmanager

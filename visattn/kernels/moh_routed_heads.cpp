@@ -7,8 +7,9 @@
 //
 // The GEMMs are MKL's (SGEMM, cblas_gemm_bf16bf16f32), which x86 builds of libtorch_cpu export. They
 // are looked up at run time, so the library loads on any build; moh_routed_blas(dtype) says whether
-// the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. With
-// `small_gemm` (float32, the loops path), the attention's GEMMs are loops here instead (at the study's
+// the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. In float32,
+// with `fused` and an AVX-512 CPU, the attention between the two GEMMs runs in fused_attention.h's loops
+// instead of two more (and so does moh_routed_attention's). With `small_gemm` (float32, the loops path), the attention's GEMMs are loops here instead (at the study's
 // sizes, 12-wide heads and 17-49 tokens, a BLAS call costs more than its few thousand multiply-adds) and
 // the query and output projections are ATen matmuls over every (token, head) pair (heads_loops).
 #include <ATen/ATen.h>
@@ -19,12 +20,14 @@
 #include <dlfcn.h>
 
 #include "blas.h"
+#include "fused_attention.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -264,6 +267,7 @@ struct Heads {
   const bool* mask;
   const float* gates;
   T* out;
+  bool fused = false;  // float32: the attention in fused_attention.h's loops (heads_blas)
 
   Heads(const at::Tensor& x_, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w,
         const at::Tensor& k_, const at::Tensor& v_, const c10::optional<at::Tensor>& v_bias,
@@ -287,6 +291,24 @@ struct Heads {
   const float* value_bias(int64_t h) const { return bv ? bv + h / group * d : nullptr; }
 };
 
+// The rows of image b's next head after h (or of the next image's first head, up to b_end) that
+// fused_attend prefetches: its queries (when q is not null), keys, values and output rows (when out is not
+// null).
+visattn::NextRows next_head_rows(int64_t b, int64_t b_end, int64_t h, int64_t first_head, int64_t H, int64_t N,
+                                 int64_t d, int64_t group, const float* q, int64_t q_ld, const float* k0,
+                                 const int64_t* ks, const float* v0, const int64_t* vs, float* out, int64_t out_ld) {
+  visattn::NextRows next;
+  const int64_t hn = h + 1 < H ? h + 1 : first_head, bn = h + 1 < H ? b : b + 1, kvn = hn / group;
+  if (bn >= b_end) return next;
+  if (q) next.add(q + bn * N * q_ld + hn * d, q_ld);
+  next.add(k0 + bn * ks[0] + kvn * ks[1], ks[2]);
+  next.add(v0 + bn * vs[0] + kvn * vs[1], vs[2]);
+  if (out) next.add(out + bn * N * out_ld + hn * d, out_ld);
+  next.rows = N;
+  next.bytes = d * static_cast<int64_t>(sizeof(float));
+  return next;
+}
+
 // Through MKL's GEMMs, one image at a time (its output rows stay in cache while every head adds to
 // them). Gathering several images per head for larger GEMMs measured no faster.
 template <typename T>
@@ -297,8 +319,10 @@ void heads_blas(const Heads<T>& p) {
 
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
+    std::vector<int32_t> rows32;
     std::vector<T> xg, q, probs, o_gated;
     std::vector<float> qf, s, o, r, acc, inv;
+    visattn::AttendScratch scratch;
     for (int64_t b = b0; b < b1; ++b) {
       T* out_rows = p.out + b * N * Co;
       // float32 adds straight into the output rows; bfloat16 sums in float32 and rounds once at the end
@@ -321,6 +345,21 @@ void heads_blas(const Heads<T>& p) {
             q[i * d + c] = static_cast<T>(qf[i * d + c] + (p.bq ? static_cast<float>(p.bq[h * d + c]) : 0.f));
         // attention against every key of the image (N is at most a few hundred: one block, one pass)
         const int64_t kvh = h / p.group;
+        o_gated.resize(m * d);
+        if constexpr (std::is_same_v<T, float>) {
+          if (p.fused) {
+            rows32.assign(rows.begin(), rows.end());
+            const visattn::AttendRows a{m, N, d, q.data(), d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh),
+                                        ldk, ldv, p.value_bias(h), p.gates + b * N * p.H + h, p.H, rows32.data(),
+                                        o_gated.data(), d, nullptr};
+            visattn::fused_attend(a, next_head_rows(b, b1, h, p.first_head, p.H, N, d, p.group, nullptr, 0, p.k,
+                                                    p.k_stride, p.v, p.v_stride, nullptr, 0), scratch);
+            r.resize(m * Co);
+            gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
+            add_rows(sum, r.data(), rows.data(), m, Co);
+            continue;
+          }
+        }
         s.resize(m * N);
         gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
         o.resize(m * d);
@@ -336,7 +375,6 @@ void heads_blas(const Heads<T>& p) {
           gemm(false, m, d, N, 1.f, probs.data(), N, p.values(b, kvh), ldv, o.data(), d);
         }
         // gate (cast to T first, as the dense path multiplies in T), then W_O[:, h] -> [m, Co], added
-        o_gated.resize(m * d);
         const float* bv = p.value_bias(h);
         for (int64_t i = 0; i < m; ++i) {
           const float g = round_to<T>(p.gate(b, rows[i], h));
@@ -356,50 +394,60 @@ void heads_blas(const Heads<T>& p) {
   });
 }
 
-// The attention alone, float32, through MKL's GEMMs, for callers that project densely (the whole-tensor
-// matmuls run faster than the per-head GEMMs of heads_blas where most routed pairs are on, 10th session):
-// per image and head from `first_head` on, the chosen tokens' queries (their rows of q, plus q_bias) are
-// gathered, attended against the image's keys and values, and gated into the tokens' rows of z [T, H*d];
-// the rows of tokens that did not choose the head are set to 0. q: [T, >= H*d] (row stride q_ld); k/v:
-// [B, Hkv, N, d]; q_bias [H*d] and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it).
-void heads_attention_blas(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
-                          const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
-                          const float* v_bias, const bool* mask, const float* gates, float* z) {
+// The attention alone, float32, for callers that project densely (the whole-tensor matmuls run faster than
+// the per-head GEMMs of heads_blas where most routed pairs are on, 10th session): per image and head from
+// `first_head` on, the chosen tokens' queries (their rows of q, plus q_bias) are gathered, attended against
+// the image's keys and values, and gated into the tokens' rows of z [T, H*d]; the rows of tokens that did
+// not choose the head are set to 0. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d]; q_bias [H*d]
+// and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it). With `fused` (fused_attention_runs)
+// in AVX-512 registers (fused_attention.h), else through MKL's GEMMs.
+void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
+                     const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
+                     const float* v_bias, const bool* mask, const float* gates, float* z, bool fused) {
   const int64_t Hd = H * d, group = H / Hkv;
-  const int ldk = static_cast<int>(k.stride(2)), ldv = static_cast<int>(v.stride(2));
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   const float *k0 = k.data_ptr<float>(), *v0 = v.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
+    std::vector<int32_t> rows32;
     std::vector<float> qg, s, o, inv;
+    visattn::AttendScratch scratch;
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t h = first_head; h < H; ++h) {
         chosen_rows(mask, h, S, b, N, B * N, rows);
         const int64_t m = static_cast<int64_t>(rows.size()), kvh = h / group;
+        const float *kb = k0 + b * ks[0] + kvh * ks[1], *vb = v0 + b * vs[0] + kvh * vs[1];
+        const float* bv = v_bias ? v_bias + kvh * d : nullptr;
         float* z_img = z + b * N * Hd + h * d;
-        if (m > 0) {
+        if (fused) {
+          rows32.assign(rows.begin(), rows.end());
+          const visattn::AttendRows p{m, N, d, q + b * N * q_ld + h * d, q_ld, rows32.data(),
+                                      q_bias ? q_bias + h * d : nullptr, kb, vb, ks[2], vs[2], bv,
+                                      gates + b * N * H + h, H, rows32.data(), z_img, Hd, rows32.data()};
+          visattn::fused_attend(p, next_head_rows(b, b1, h, first_head, H, N, d, group, q, q_ld, k0, ks, v0, vs, z, Hd),
+                                scratch);
+        } else if (m > 0) {
           qg.resize(m * d);
           for (int64_t i = 0; i < m; ++i) {
             const float* src = q + (b * N + rows[i]) * q_ld + h * d;
             for (int64_t c = 0; c < d; ++c) qg[i * d + c] = src[c] + (q_bias ? q_bias[h * d + c] : 0.f);
           }
           s.resize(m * N);
-          gemm(true, m, N, d, scale, qg.data(), d, k0 + b * k.stride(0) + kvh * k.stride(1), ldk, s.data(), N);
+          gemm(true, m, N, d, scale, qg.data(), d, kb, static_cast<int>(ks[2]), s.data(), N);
           inv.resize(m);
           for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
           o.resize(m * d);
-          gemm(false, m, d, N, 1.f, s.data(), N, v0 + b * v.stride(0) + kvh * v.stride(1), ldv, o.data(), d);
-        }
-        const float* bv = v_bias ? v_bias + kvh * d : nullptr;
-        for (int64_t n = 0, i = 0; n < N; ++n) {
-          float* zr = z_img + n * Hd;
-          if (i < m && rows[i] == n) {
-            const float g = gates[(b * N + n) * H + h];
+          gemm(false, m, d, N, 1.f, s.data(), N, vb, static_cast<int>(vs[2]), o.data(), d);
+          for (int64_t i = 0; i < m; ++i) {
+            const float g = gates[(b * N + rows[i]) * H + h];
+            float* zr = z_img + rows[i] * Hd;
             for (int64_t c = 0; c < d; ++c) zr[c] = (o[i * d + c] * inv[i] + (bv ? bv[c] : 0.f)) * g;
-            ++i;
-          } else {
-            std::memset(zr, 0, d * sizeof(float));
           }
+        }
+        for (int64_t n = 0, i = 0; n < N; ++n) {  // the tokens that did not choose the head
+          if (i < m && rows[i] == n) ++i;
+          else std::memset(z_img + n * Hd, 0, d * sizeof(float));
         }
       }
     }
@@ -577,7 +625,7 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
                       const at::Tensor& proj_w, const at::Tensor& k, const at::Tensor& v,
                       const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask, const at::Tensor& gates,
                       int64_t S, int64_t first_head, bool small_gemm, at::Tensor out,
-                      const c10::optional<at::Tensor>& out_bias) {
+                      const c10::optional<at::Tensor>& out_bias, bool fused) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moh_routed_heads: float32 or bfloat16, got ", dtype);
   for (const at::Tensor& t : {qkv_w, proj_w, k, v, out})
@@ -604,7 +652,8 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
               "moh_routed_heads: no MKL GEMM for ", dtype, " in this torch build (check moh_routed_blas first)");
   if (N == 0 || B == 0) return;
   if (dtype == at::kFloat) {
-    const Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias);
+    Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias);
+    heads.fused = fused && visattn::fused_attention_runs(heads.d);
     if (small_gemm) heads_loops(heads, x, qkv_w, qkv_b, proj_w, out);
     else heads_blas(heads);
   } else {
@@ -617,10 +666,12 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // queries and outputs itself (heads_attention_blas): q [T, >= H*d] (unit column stride), q_bias [H*d] or
 // None, k/v [B, Hkv, N, d] (unit last stride), v_bias [Hkv*d] or None (v computed without it),
 // routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] contiguous: its columns of heads >= first_head
-// are written (gated outputs, 0 where a pair is off). float32, MKL's SGEMM (check moh_routed_blas).
+// are written (gated outputs, 0 where a pair is off). float32. With `fused` (the default) the attention
+// runs in fused_attention.h's AVX-512 loops where this CPU and head width allow (moh_fused_attention), else
+// through MKL's SGEMM (check moh_routed_blas); the tests run both.
 void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
                           const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
-                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z) {
+                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z, bool fused) {
   for (const at::Tensor& t : {q, k, v, z, gates})
     TORCH_CHECK(t.scalar_type() == at::kFloat, "moh_routed_attention: float32 tensors");
   for (const auto& t : {q_bias, v_bias})
@@ -638,10 +689,12 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   TORCH_CHECK(!q_bias.has_value() || q_bias->numel() == H * d, "moh_routed_attention: q_bias [H*d]");
   TORCH_CHECK(!v_bias.has_value() || v_bias->numel() == Hkv * d, "moh_routed_attention: v_bias [Hkv*d]");
   if (T == 0) return;
-  heads_attention_blas(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
-                       q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr, k, v,
-                       v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, routed_mask.data_ptr<bool>(),
-                       gates.data_ptr<float>(), z.data_ptr<float>());
+  // the gathered queries' offsets are 32-bit
+  fused = fused && visattn::fused_attention_runs(d) && N * q.stride(0) <= std::numeric_limits<int32_t>::max();
+  heads_attention(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
+                  q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr, k, v,
+                  v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, routed_mask.data_ptr<bool>(),
+                  gates.data_ptr<float>(), z.data_ptr<float>(), fused);
 }
 
 // The gradients of moh_routed_heads(..., first_head = 0, small_gemm = true) for grad_out [T, Co]: dx [T, C],
@@ -691,17 +744,22 @@ bool moh_routed_blas(at::ScalarType dtype) {
   return false;
 }
 
+// Whether moh_routed_attention and moh_routed_heads (float32, with MKL) run their attention in
+// fused_attention.h's loops for heads `head_dim` wide on this CPU (`fused`, their default), else through SGEMM.
+bool moh_fused_attention(int64_t head_dim) { return visattn::fused_attention_runs(head_dim); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, Tensor? v_bias, "
         "Tensor routed_mask, Tensor gates, int S, int first_head, bool small_gemm, Tensor(a!) out, "
-        "Tensor? out_bias=None) -> ()");
+        "Tensor? out_bias=None, bool fused=True) -> ()");
   m.def("moh_routed_heads_backward(Tensor grad_out, Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, "
         "Tensor v, Tensor routed_mask, Tensor gates, int S) -> Tensor[]");
   m.def("moh_routed_attention(Tensor q, Tensor? q_bias, Tensor k, Tensor v, Tensor? v_bias, Tensor routed_mask, "
-        "Tensor gates, int S, int first_head, Tensor(a!) z) -> ()");
+        "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True) -> ()");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
+  m.def("moh_fused_attention(int head_dim) -> bool", &moh_fused_attention);
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_routed_heads", &moh_routed_heads);
