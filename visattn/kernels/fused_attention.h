@@ -23,23 +23,8 @@
 
 namespace visattn {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VISATTN_AVX512 __attribute__((target("avx512f,fma")))
-#define VISATTN_FUSED_ATTENTION 1
-#else
-#define VISATTN_FUSED_ATTENTION 0
-#endif
-
 // Whether fused_attend serves heads `d` wide on this CPU.
-inline bool fused_attention_runs(int64_t d) {
-#if VISATTN_FUSED_ATTENTION
-  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  return cpu && d > 0 && d <= 64 && d % kLanes == 0;
-#else
-  (void)d;
-  return false;
-#endif
-}
+inline bool fused_attention_runs(int64_t d) { return avx512_runs() && d > 0 && d <= 64 && d % kLanes == 0; }
 
 // One (image, head): query i (i < m) is row q_rows[i] of q (row i without q_rows), d values, to which
 // q_bias (nullptr: none) is added; keys and values [N, d] with row strides k_ld / v_ld. Output row i,
@@ -83,11 +68,10 @@ struct AttendScratch {
   std::vector<float> qt, st, o;
 };
 
-#if VISATTN_FUSED_ATTENTION
+#if VISATTN_HAS_AVX512_CODE
 namespace fused {
 
 constexpr int kMaxQueries = 2 * kLanes;  // queries per tile
-#define VISATTN_INLINE __attribute__((always_inline)) inline
 
 // st[n][0 .. 16 NQ) = qt^T k[n] for keys n0 .. n0 + KR; mx: the columns' running maxima.
 template <int KR, int NQ>

@@ -21,6 +21,7 @@
 
 #include "blas.h"
 #include "fused_attention.h"
+#include "row_gemm.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -267,7 +268,10 @@ struct Heads {
   const bool* mask;
   const float* gates;
   T* out;
-  bool fused = false;  // float32: the attention in fused_attention.h's loops (heads_blas)
+  // float32 with `fused` (heads_blas: fused_head): the routed heads' W_q rows packed [heads, C, d] and their
+  // W_O columns packed [heads, d, Co], heads from first_head on
+  bool fused = false;
+  const float *wq_t = nullptr, *wo_t = nullptr;
 
   Heads(const at::Tensor& x_, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w,
         const at::Tensor& k_, const at::Tensor& v_, const c10::optional<at::Tensor>& v_bias,
@@ -309,6 +313,37 @@ visattn::NextRows next_head_rows(int64_t b, int64_t b_end, int64_t h, int64_t fi
   return next;
 }
 
+// A thread's buffers for fused_head.
+struct FusedBuffers {
+  std::vector<int32_t> rows32;
+  std::vector<float> q, o_gated;
+  visattn::AttendScratch attention;
+};
+
+// Head h of image b in AVX-512 loops (heads_blas with `fused`, float32): the chosen tokens' queries from
+// x's rows in place (row_gemm with W_q[h] packed as [C, d]), their attention (fused_attend), and the gated
+// outputs through W_O[:, h] (packed as [d, Co]) added into their rows of `sum`: no copies of rows and no
+// second pass to add them. rows: the tokens (of image b) that chose h, at least one.
+void fused_head(const Heads<float>& p, int64_t b, int64_t b_end, int64_t h, const std::vector<int64_t>& rows,
+                float* sum, FusedBuffers& buf) {
+  const int64_t N = p.N, d = p.d, C = p.C, Co = p.Co, m = static_cast<int64_t>(rows.size()), kvh = h / p.group;
+  const int64_t packed = h - p.first_head;
+  buf.q.resize(m * d);
+  visattn::row_gemm(m, d, C, p.x + b * N * C, C, rows.data(), p.wq_t + packed * C * d, d, buf.q.data(), d, nullptr,
+                    false);
+  if (p.bq)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < d; ++c) buf.q[i * d + c] += p.bq[h * d + c];
+  buf.rows32.assign(rows.begin(), rows.end());
+  buf.o_gated.resize(m * d);
+  const visattn::AttendRows a{m, N, d, buf.q.data(), d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh),
+                              p.k_stride[2], p.v_stride[2], p.value_bias(h), p.gates + b * N * p.H + h, p.H,
+                              buf.rows32.data(), buf.o_gated.data(), d, nullptr};
+  visattn::fused_attend(a, next_head_rows(b, b_end, h, p.first_head, p.H, N, d, p.group, nullptr, 0, p.k, p.k_stride,
+                                          p.v, p.v_stride, nullptr, 0), buf.attention);
+  visattn::row_gemm(m, Co, d, buf.o_gated.data(), d, nullptr, p.wo_t + packed * d * Co, Co, sum, Co, rows.data(), true);
+}
+
 // Through MKL's GEMMs, one image at a time (its output rows stay in cache while every head adds to
 // them). Gathering several images per head for larger GEMMs measured no faster.
 template <typename T>
@@ -319,10 +354,9 @@ void heads_blas(const Heads<T>& p) {
 
   at::parallel_for(0, p.B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t> rows;
-    std::vector<int32_t> rows32;
     std::vector<T> xg, q, probs, o_gated;
     std::vector<float> qf, s, o, r, acc, inv;
-    visattn::AttendScratch scratch;
+    FusedBuffers buffers;
     for (int64_t b = b0; b < b1; ++b) {
       T* out_rows = p.out + b * N * Co;
       // float32 adds straight into the output rows; bfloat16 sums in float32 and rounds once at the end
@@ -334,6 +368,12 @@ void heads_blas(const Heads<T>& p) {
         chosen_rows(p.mask, h, p.S, b, N, p.B * N, rows);
         const int64_t m = static_cast<int64_t>(rows.size());
         if (m == 0) continue;
+        if constexpr (std::is_same_v<T, float>) {
+          if (p.fused) {
+            fused_head(p, b, b1, h, rows, sum, buffers);
+            continue;
+          }
+        }
         // queries of the chosen tokens: [m, C] @ W_q[h]^T -> [m, d]
         xg.resize(m * C);
         for (int64_t i = 0; i < m; ++i) std::memcpy(&xg[i * C], p.x + (b * N + rows[i]) * C, C * sizeof(T));
@@ -346,20 +386,6 @@ void heads_blas(const Heads<T>& p) {
         // attention against every key of the image (N is at most a few hundred: one block, one pass)
         const int64_t kvh = h / p.group;
         o_gated.resize(m * d);
-        if constexpr (std::is_same_v<T, float>) {
-          if (p.fused) {
-            rows32.assign(rows.begin(), rows.end());
-            const visattn::AttendRows a{m, N, d, q.data(), d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh),
-                                        ldk, ldv, p.value_bias(h), p.gates + b * N * p.H + h, p.H, rows32.data(),
-                                        o_gated.data(), d, nullptr};
-            visattn::fused_attend(a, next_head_rows(b, b1, h, p.first_head, p.H, N, d, p.group, nullptr, 0, p.k,
-                                                    p.k_stride, p.v, p.v_stride, nullptr, 0), scratch);
-            r.resize(m * Co);
-            gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
-            add_rows(sum, r.data(), rows.data(), m, Co);
-            continue;
-          }
-        }
         s.resize(m * N);
         gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
         o.resize(m * d);
@@ -653,7 +679,16 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   if (N == 0 || B == 0) return;
   if (dtype == at::kFloat) {
     Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias);
-    heads.fused = fused && visattn::fused_attention_runs(heads.d);
+    at::Tensor wq_t, wo_t;
+    heads.fused = !small_gemm && fused && visattn::fused_attention_runs(heads.d) && heads.Co % visattn::kLanes == 0 &&
+                  heads.H > first_head;
+    if (heads.fused) {
+      const int64_t Hr = heads.H - first_head, d = heads.d;
+      wq_t = qkv_w.narrow(0, first_head * d, Hr * d).view({Hr, d, heads.C}).transpose(1, 2).contiguous();
+      wo_t = proj_w.narrow(1, first_head * d, Hr * d).t().contiguous();  // [Hr * d, Co]
+      heads.wq_t = wq_t.data_ptr<float>();
+      heads.wo_t = wo_t.data_ptr<float>();
+    }
     if (small_gemm) heads_loops(heads, x, qkv_w, qkv_b, proj_w, out);
     else heads_blas(heads);
   } else {

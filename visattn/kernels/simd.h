@@ -11,9 +11,15 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VISATTN_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// For code written for AVX-512 registers alone (fused_attention.h, row_gemm.h): call it only where
+// avx512_runs().
+#define VISATTN_AVX512 __attribute__((target("avx512f,fma")))
+#define VISATTN_HAS_AVX512_CODE 1
 #else
 #define VISATTN_SIMD_CLONES
+#define VISATTN_HAS_AVX512_CODE 0
 #endif
+#define VISATTN_INLINE __attribute__((always_inline)) inline
 
 namespace visattn {
 
@@ -52,5 +58,15 @@ __attribute__((always_inline)) inline F exp_le0_impl(F x) {
 }
 __attribute__((always_inline)) inline float exp_le0(float x) { return exp_le0_impl<float, int32_t>(x); }
 __attribute__((always_inline)) inline lanes_t exp_le0(lanes_t x) { return exp_le0_impl<lanes_t, int_lanes_t>(x); }
+
+// Whether this CPU runs the VISATTN_AVX512 code.
+inline bool avx512_runs() {
+#if VISATTN_HAS_AVX512_CODE
+  static const bool runs = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return runs;
+#else
+  return false;
+#endif
+}
 
 }  // namespace visattn
