@@ -30,20 +30,32 @@ def _moh(dim=48, heads=8, shared=2, topk=3, seed=0, impl="dense", **kwargs):
 
 
 def _counted(monkeypatch, op):
-    """Count the kernels' calls (where visattn.kernels would hand them out): ``op``, and the attention
-    op of routed_kernel_dense."""
+    """Record the kernels' calls (where visattn.kernels would hand them out): "heads" for ``op``,
+    "attention" for the attention op (routed_kernel_dense's, and routed_kernel's shared heads where the
+    fused attention runs)."""
     calls = []
     real = kernels.moh_routed_heads_op
     monkeypatch.setattr(routed_kernel, "moh_routed_heads_op",
-                        lambda dtype, blas=True: real(dtype, blas) and (lambda *a: calls.append(1) or op(*a)))
+                        lambda dtype, blas=True: real(dtype, blas) and (lambda *a: calls.append("heads") or op(*a)))
     real_attention = kernels.moh_routed_attention_op
 
     def counted_attention(dtype):
         attention = real_attention(dtype)
-        return attention and (lambda *a: calls.append(1) or attention(*a))
+        return attention and (lambda *a: calls.append("attention") or attention(*a))
 
     monkeypatch.setattr(routed_kernel, "moh_routed_attention_op", counted_attention)
     return calls
+
+
+def _kernel_calls(path: str, m, x: torch.Tensor) -> list[str]:
+    """The kernel calls ``PATHS[path](m, x)`` makes in float32 inference where the kernels run."""
+    if path == "routed_kernel_dense":
+        return ["attention"]
+    group = m.num_heads // m.num_kv_heads
+    shared = m.router.shared_heads
+    fused_shared = (path == "routed_kernel" and shared and shared % group == 0 and x.dtype == torch.float32
+                    and torch.ops.visattn.moh_fused_attention(m.head_dim))
+    return ["attention", "heads"] if fused_shared else ["heads"]
 
 
 LAYERS = [  # (heads, shared, topk, kwargs)
@@ -84,7 +96,7 @@ def test_the_kernel_equals_the_masked_dense_path(kernel, monkeypatch, path, head
         out = PATHS[path](m, x)
         with kernels.disabled():
             fallback = PATHS[path](m, x)
-    assert calls == [1]
+    assert calls == _kernel_calls(path, m, x)
     tol = 1e-5 * ref.abs().max().item()  # float32 rounding of sums in another order
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=tol)
     torch.testing.assert_close(out, fallback, rtol=1e-5, atol=tol)
@@ -106,7 +118,7 @@ def test_every_head_in_the_kernel_falls_back_to_the_masked_dense_path(kernel, mo
         assert count_flops(m, x) == count_flops(lambda: m.dense_forward(x)) > 0
         assert calls == [] and m.last_path == "masked_kernel_loops"
         m(x)
-    assert calls == [1]
+    assert calls == ["heads"]
 
 
 def test_bfloat16_matches_the_masked_dense_path_to_bf16_rounding(kernel, monkeypatch):
@@ -119,7 +131,7 @@ def test_bfloat16_matches_the_masked_dense_path_to_bf16_rounding(kernel, monkeyp
         ref = m.dense_forward(x).float()
         out = PATHS["routed_kernel"](m, x)
         loops = PATHS["routed_kernel_loops"](m, x)  # float32 only: the PyTorch path
-    assert out.dtype == loops.dtype == torch.bfloat16 and calls == [1]
+    assert out.dtype == loops.dtype == torch.bfloat16 and calls == ["heads"]  # bf16: the shared heads on SDPA
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     torch.testing.assert_close(loops, PATHS["sparse_projections"](m, x), rtol=0, atol=0)
 
@@ -254,15 +266,16 @@ def test_the_fused_attention_runs_where_the_cpu_has_avx512():
 @pytest.mark.parametrize("dim", [64, 256])  # heads 16 and 64 wide: the fused attention's widths
 def test_layers_with_the_fused_attention_s_widths_equal_the_masked_dense_path(
         kernel, monkeypatch, path, heads, shared, topk, kwargs, dim):
-    """The MKL paths at head widths the fused attention serves (where this CPU runs it, it does), over
-    several tiles of queries and a tail of keys, against the masked dense path."""
+    """The MKL paths at head widths the fused attention serves (where this CPU runs it, it does: for
+    routed_kernel's shared heads too), over several tiles of queries and a tail of keys, against the
+    masked dense path."""
     m = _moh(dim=dim, heads=heads, shared=shared, topk=topk, **kwargs)
     x = torch.randn(2, 70, dim)
     calls = _counted(monkeypatch, kernel)
     with torch.no_grad():
         ref = m.dense_forward(x)
         out = PATHS[path](m, x)
-    assert calls == [1]
+    assert calls == _kernel_calls(path, m, x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
@@ -308,7 +321,7 @@ def _check_loops_gradients(kernel, monkeypatch, path, heads, shared, topk, kwarg
         aux = m.router.aux_loss  # None for a dense layer: nothing routed to balance
         ((out * weight).sum() + (aux if aux is not None else 0)).backward()
         grads[name] = {"out": out.detach(), "x": x_path.grad, **{n: p.grad for n, p in m.named_parameters()}}
-    assert calls == [1]
+    assert calls == ["heads"]
     reference, loops = grads["masked_dense"], grads[path]
     assert reference.keys() == loops.keys()
     for name, value in reference.items():
@@ -341,7 +354,7 @@ def test_gradients_dropout_and_the_kernels_off_take_the_pytorch_path(kernel, mon
             PATHS["routed_kernel"](m, x)
         assert calls == []
         PATHS["routed_kernel"](m, x)
-    assert calls == [1]
+    assert calls == ["heads"]  # 48 wide, 8 heads: 6-wide heads, the shared ones on SDPA
 
 
 def test_flop_counting_sees_the_pytorch_equivalent(kernel, monkeypatch):
