@@ -8,8 +8,8 @@ matmul, and sums the rows with an ``embedding_bag``; at these sizes that costs m
 work. The kernel runs the heads per image in C++ (gather, q GEMM, attention, gate, W_O GEMM, add into
 the image's output rows), so the output stays in cache and nothing is padded.
 
-- ``routed_kernel``: the routed heads in the kernel through MKL's GEMMs; the shared heads in PyTorch
-  (their queries, SDPA and one output projection for all tokens). Suits ViT-S / DiT-B sizes. In
+- ``routed_kernel``: the routed heads in the kernel; the shared heads' queries and output projection in
+  PyTorch (one matmul each for all tokens), their attention in SDPA or the kernel (below). Suits ViT-S / DiT-B sizes. In
   float32 the shared queries, the keys and values and the router's logits come from one matmul.
 - ``routed_kernel_loops`` (float32): every head in the kernel. Its query and output projections are
   whole-tensor matmuls over every (token, head) pair, zeros where a pair is off; its attention runs the
@@ -21,20 +21,25 @@ the image's output rows), so the output stays in cache and nothing is padded.
 - ``routed_kernel_dense`` (float32): the queries, keys and values of every (token, head) pair from one
   matmul, the chosen pairs' attention in the kernel (``moh_routed_attention``: per image and head, the
   chosen tokens' queries gathered, d values a row), the gated outputs in a [tokens, heads x width]
-  buffer, zero where a pair is off, and one output matmul: "dense projections with skipped attention". It computes the projections of the pairs that are off too, yet where most routed pairs are
-  on it ran faster than ``routed_kernel``'s per-head GEMMs and gathers (whose narrow 64-column GEMMs ran
-  at half the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
+  buffer, zero where a pair is off, and one output matmul: "dense projections with skipped attention".
+  It computes the projections of the pairs that are off too, yet where most routed pairs are on it ran
+  faster than ``routed_kernel``'s per-head GEMMs and gathers (whose narrow 64-column GEMMs ran at half
+  the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
 - ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
   every pair, unselected pairs zeroed by their gates. Until the projections became whole-tensor matmuls
   (9th session) it was the faster of the two where most routed heads are on; since then
   ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
   kernel cannot run it is ``masked_dense``.
 
-In float32 the attention of ``routed_kernel`` and ``routed_kernel_dense`` runs in AVX-512 loops of its own
-(``visattn/kernels/fused_attention.h``: scores, softmax and values per tile of 32 queries in registers and
-L1, the next head's rows prefetched) where the CPU has AVX-512 and heads are 16-64 wide; there it took
-0.80-0.88x the time of MKL's two GEMMs per image and head, which ran as fast as SDPA does (11th session).
-Elsewhere, and in bfloat16, it is MKL's GEMMs.
+On a CPU with AVX-512, in float32 and for heads 16-64 wide, the kernel does not call MKL (11th session):
+- the attention of ``routed_kernel`` and ``routed_kernel_dense`` runs in loops of its own
+  (``visattn/kernels/fused_attention.h``: scores, softmax and values per tile of 32 queries in registers
+  and L1, the next head's rows prefetched): 0.80-0.88x the time of MKL's two GEMMs per image and head,
+  which ran as fast as SDPA does. ``routed_kernel``'s shared heads take it too, instead of SDPA;
+- ``routed_kernel``'s per-head projections read x's chosen rows in place and add the heads' outputs into
+  their rows in the same pass (``row_gemm.h``): 105-139 GFLOP/s against 81-91 for MKL's GEMMs with the
+  row copies around them.
+Elsewhere, and in bfloat16, it is MKL's GEMMs and SDPA.
 
 ``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``
 and ``routed_kernel_dense``, dropout in training, a device other than the CPU, a dtype it does not
