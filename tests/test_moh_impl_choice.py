@@ -335,6 +335,21 @@ def test_the_bench_s_mha_on_kernel_parts_equals_mha(kwargs):
     assert torch.equal(MHAOnKernelParts(mha)(x), mha(x))
 
 
+def test_the_bench_s_mha_on_kernel_parts_in_bfloat16():
+    """In bf16 under autocast: the same layer to bf16 rounding (AMX attention where it runs, else the layer)."""
+    from visattn.bench.paths import MHAOnKernelParts
+
+    torch.manual_seed(0)
+    mha = build_attention("mha", 256, num_heads=4, qkv_bias=True).eval()
+    x = torch.randn(2, 70, 256)
+    with torch.no_grad():
+        ref = mha(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, masked = MHAOnKernelParts(mha)(x), mha(x)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() <= 2 * (masked.float() - ref).abs().max() + 1e-3 * ref.abs().max()
+
+
 def test_paths_bench_reports_auto_s_choice_per_dtype():
     """One workload serves both dtypes (bf16 under autocast): each row names the choice for its own dtype,
     not the path the layer ran last."""

@@ -39,8 +39,8 @@ def _counted(monkeypatch, op):
                         lambda dtype, blas=True: real(dtype, blas) and (lambda *a: calls.append("heads") or op(*a)))
     real_attention = kernels.moh_routed_attention_op
 
-    def counted_attention(dtype):
-        attention = real_attention(dtype)
+    def counted_attention(dtype, head_dim=None):
+        attention = real_attention(dtype, head_dim)
         return attention and (lambda *a: calls.append("attention") or attention(*a))
 
     monkeypatch.setattr(routed_kernel, "moh_routed_attention_op", counted_attention)
@@ -254,6 +254,82 @@ def test_the_fused_attention_runs_where_the_cpu_has_avx512():
     fused = torch.ops.visattn.moh_fused_attention
     assert [fused(d) for d in (16, 32, 48, 64)] == [avx512] * 4
     assert not any(fused(d) for d in (8, 12, 24, 72, 80, 128))
+
+
+def _amx_or_skip() -> None:
+    if kernels.moh_routing_op() is None or not torch.ops.visattn.moh_amx_attention(64):
+        pytest.skip("no AMX here: bfloat16 routed_kernel_dense is dense_projections on this CPU")
+
+
+@pytest.mark.parametrize("N", [7, 45, 70])  # tiles of 16 queries and steps of 32 keys, with their tails
+def test_the_attention_op_in_bfloat16_against_the_formula(kernel, N):
+    """The attention op with bfloat16 q, k, v and z (AMX tiles; float32 gates and biases) on a hand-made
+    selection, against the formula in float32: equal to bf16 rounding; 0 where a pair is off; the columns
+    before first_head untouched."""
+    _amx_or_skip()
+    torch.manual_seed(3)
+    B, H, Hkv, S, d = 3, 4, 2, 1, 64
+    T = B * N
+    rows = torch.randn(T, (H + 2 * Hkv) * d + 16).to(torch.bfloat16)  # q, k, v in wider rows, as a matmul gives
+    q, k, v, _ = rows.split([H * d, Hkv * d, Hkv * d, 16], dim=-1)
+    k, v = (t.view(B, N, Hkv, d).transpose(1, 2) for t in (k, v))
+    q_bias, v_bias = torch.randn(H * d), torch.randn(Hkv * d)
+    mask = torch.rand(H - S, T) < 0.5
+    mask[1] = False
+    gates = torch.rand(T, H)
+    queries = (q.float() + q_bias).view(B, N, H, d).transpose(1, 2)
+    keys, values = (t.float().repeat_interleave(H // Hkv, dim=1) for t in (k, v + v_bias.view(1, Hkv, 1, d)))
+    heads = torch.softmax(queries @ keys.transpose(-1, -2) / d**0.5, -1) @ values
+    on = torch.cat([torch.ones(S, T, dtype=torch.bool), mask]).t()
+    expected = (heads.transpose(1, 2).reshape(T, H, d) * (gates * on).unsqueeze(-1)).reshape(T, H * d)
+    op = kernels.moh_routed_attention_op(torch.bfloat16, d)
+    for first_head in (0, 2):
+        z = torch.full((T, H * d), float("nan"), dtype=torch.bfloat16)
+        op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(z[:, first_head * d :].float(), expected[:, first_head * d :], rtol=2e-2,
+                                   atol=1e-2 * scale)
+        assert z[:, : first_head * d].isnan().all()
+    assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
+    assert not kernels.moh_routed_attention_op(torch.bfloat16, 32) and not kernels.moh_routed_attention_op(torch.bfloat16)
+
+
+def test_amx_attention_runs_where_the_cpu_has_amx_bf16():
+    if kernels.moh_routing_op() is None:
+        pytest.skip("no C++ toolchain: no kernels")
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    amx = {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"} <= set(flags)
+    # a CPU with the flags may still be refused the tile state by its kernel: then False, never True without
+    assert torch.ops.visattn.moh_amx_attention(64) in ((True, False) if amx else (False,))
+    assert not any(torch.ops.visattn.moh_amx_attention(d) for d in (16, 32, 72, 128))
+
+
+@pytest.mark.parametrize("bf16_model", [False, True])  # autocast over a float32 model, or a bf16 model
+@pytest.mark.parametrize("kwargs", [{"qkv_bias": True}, {"qkv_bias": True, "num_kv_heads": 2},
+                                    {"routing": "head_choice"}])
+def test_routed_kernel_dense_in_bfloat16_matches_the_masked_dense_path(kernel, monkeypatch, kwargs, bf16_model):
+    """routed_kernel_dense in bf16 (AMX attention) against the float32 masked dense path, as close as the
+    bf16 masked dense path is."""
+    _amx_or_skip()
+    m = _moh(dim=256, heads=4, shared=1, topk=2, **kwargs)
+    m_scale = 0.1  # _moh's router noise would make the layer's logits large for bf16
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(m_scale)
+    x = torch.randn(2, 70, 256)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        ref = m.dense_forward(x)
+        if bf16_model:
+            half = m.to(torch.bfloat16)
+            out, masked = PATHS["routed_kernel_dense"](half, x.bfloat16()), half.dense_forward(x.bfloat16())
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, masked = PATHS["routed_kernel_dense"](m, x), m.dense_forward(x)
+    assert calls == ["attention"] and out.dtype == torch.bfloat16
+    scale = ref.abs().max().item()
+    bf16_error = (masked.float() - ref).abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= 2 * bf16_error + 1e-3 * scale
 
 
 @pytest.mark.parametrize("path", ["routed_kernel", "routed_kernel_dense"])

@@ -111,7 +111,8 @@ def kernel_path_runs(attn: HeadAttention, x: torch.Tensor, path: str) -> bool:
     """Whether kernel path ``path`` runs its kernel for x (else its PyTorch equivalent), outside dispatch
     modes."""
     if path == DENSE_KERNEL_PATH:
-        return _cpu_eager(attn, x, backward=False) and moh_routed_attention_op(compute_dtype(x)) is not None
+        return (_cpu_eager(attn, x, backward=False)
+                and moh_routed_attention_op(compute_dtype(x), attn.head_dim) is not None)
     return kernel_runs(attn, x, uses_loops(path))
 
 
@@ -238,37 +239,40 @@ def _bias_after_matmul(attn: HeadAttention, x: torch.Tensor) -> bool:
 
 def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
-    ``routed_kernel_dense``: one matmul for every head's queries, keys and values (and the router's
-    logits), the chosen pairs' attention in the kernel, one output matmul. Call only when
-    ``routed_kernel_supported(attn)`` is None."""
-    op = moh_routed_attention_op(compute_dtype(x))
+    ``routed_kernel_dense``: one matmul for every head's queries, keys and values (and in float32 the
+    router's logits), the chosen pairs' attention in the kernel (bfloat16: on AMX tiles), one output
+    matmul. Call only when ``routed_kernel_supported(attn)`` is None."""
+    dtype = compute_dtype(x)
+    op = moh_routed_attention_op(dtype, attn.head_dim)
     if op is None or not kernel_path_runs(attn, x, DENSE_KERNEL_PATH) or _get_current_dispatch_mode() is not None:
         return sparse_moh_forward(attn, x, projections="dense")
     B, N, C = x.shape
     T = B * N
     H, d, Hkv = attn.num_heads, attn.head_dim, attn.num_kv_heads
-    x = x.float().contiguous()
+    x = x.to(dtype).contiguous()
     widths = [attn.attn_dim, attn.kv_dim, attn.kv_dim]
     # Without qkv's bias (_bias_after_matmul): the kernel adds the queries' and the values' to the pairs
-    # it computes; the keys' cancels in the softmax
-    if attn.router_columns:
+    # it computes; the keys' cancels in the softmax. In bf16 the router's logits stay apart: 16 more
+    # columns misalign the rows of a bf16 matmul (8th session).
+    if attn.router_columns and dtype == torch.float32:
         (q, k, v), logits = attn.linear_with_logits(x, [attn.qkv.weight], None, widths)
     else:
-        (q, k, v), logits = torch.nn.functional.linear(x, attn.qkv.weight).split(widths, dim=-1), None
+        (q, k, v), logits = torch.nn.functional.linear(x, attn.qkv.weight.to(dtype)).split(widths, dim=-1), None
     q_b = k_b = v_b = None
     if attn.qkv.bias is not None:
-        q_b, k_b, v_b = attn.qkv.bias.split(widths)
+        q_b, k_b, v_b = attn.qkv.bias.float().split(widths)
     k = k.view(B, N, Hkv, d)
     if k_b is not None and not isinstance(attn.k_norm, torch.nn.Identity):  # normalised keys keep their bias
-        k = k + k_b.view(Hkv, d)
-    k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
+        k = k + k_b.view(Hkv, d).to(dtype)
+    k = attn.k_norm(k.transpose(1, 2)).to(dtype)  # [B, Hkv, N, d]
     v = v.view(B, N, Hkv, d).transpose(1, 2)
     gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
     shared = attn.router.shared_heads
     routed_mask = _routed_mask(selected, shared)
     z = x.new_empty(T, H * d)  # every head's gated output; the kernel writes all of it
-    op(q.reshape(T, attn.attn_dim), q_b, k, v, v_b, routed_mask, gates.reshape(T, H), shared, 0, z)
-    out = torch.nn.functional.linear(z, attn.proj.weight, attn.proj.bias)
+    op(q.reshape(T, attn.attn_dim), q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
+    bias = attn.proj.bias.to(dtype) if attn.proj.bias is not None else None
+    out = torch.nn.functional.linear(z, attn.proj.weight.to(dtype), bias)
     return attn.proj_drop(out.view(B, N, -1))
 
 

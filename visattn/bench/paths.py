@@ -32,11 +32,12 @@ KERNEL_PARTS = "mha kernel_parts"
 
 
 class MHAOnKernelParts(torch.nn.Module):
-    """An ``mha`` layer computed as ``routed_kernel_dense`` computes MoH in float32 inference, every head
-    on: one matmul without qkv's bias (the keys' cancels in the softmax; the kernel adds the queries' and
-    the values'), the attention in ``moh_routed_attention`` (fused AVX-512 loops where the CPU has them),
-    one output matmul. Equal to ``mha`` to float rounding. Elsewhere (bf16, no kernels, gradients, qk
-    norms) it is the ``mha`` layer itself. x: [B, N, C] -> [B, N, dim_out]."""
+    """An ``mha`` layer computed as ``routed_kernel_dense`` computes MoH in inference, every head on: one
+    matmul without qkv's bias (the keys' cancels in the softmax; the kernel adds the queries' and the
+    values'), the attention in ``moh_routed_attention`` (float32: fused AVX-512 loops where the CPU has
+    them; bfloat16: AMX tiles), one output matmul. Equal to ``mha`` to float rounding. Elsewhere (a dtype
+    the op does not run here, no kernels, gradients, qk norms) it is the ``mha`` layer itself.
+    x: [B, N, C] -> [B, N, dim_out]."""
 
     def __init__(self, mha: torch.nn.Module) -> None:
         super().__init__()
@@ -44,20 +45,22 @@ class MHAOnKernelParts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mha = self.mha
-        op = moh_routed_attention_op(compute_dtype(x))
+        dtype = compute_dtype(x)
+        op = moh_routed_attention_op(dtype, mha.head_dim)
         plain = isinstance(mha.q_norm, torch.nn.Identity) and isinstance(mha.k_norm, torch.nn.Identity)
         if op is None or torch.is_grad_enabled() or not plain or x.device.type != "cpu":
             return mha(x)
         B, N, _ = x.shape
         T, H, d, Hkv = B * N, mha.num_heads, mha.head_dim, mha.num_kv_heads
         widths = [mha.attn_dim, mha.kv_dim, mha.kv_dim]
-        q, k, v = torch.nn.functional.linear(x.contiguous(), mha.qkv.weight).split(widths, dim=-1)
-        q_b, _, v_b = mha.qkv.bias.split(widths) if mha.qkv.bias is not None else (None, None, None)
+        q, k, v = torch.nn.functional.linear(x.to(dtype).contiguous(), mha.qkv.weight.to(dtype)).split(widths, dim=-1)
+        q_b, _, v_b = mha.qkv.bias.float().split(widths) if mha.qkv.bias is not None else (None, None, None)
         k, v = (t.view(B, N, Hkv, d).transpose(1, 2) for t in (k, v))
-        z = x.new_empty(T, H * d)
+        z = q.new_empty(T, H * d)
         no_routed = torch.zeros(0, T, dtype=torch.bool)
-        op(q.reshape(T, -1), q_b, k, v, v_b, no_routed, x.new_ones(T, H), H, 0, z)
-        return torch.nn.functional.linear(z, mha.proj.weight, mha.proj.bias).view(B, N, -1)
+        op(q.reshape(T, -1), q_b, k, v, v_b, no_routed, torch.ones(T, H), H, 0, z)
+        bias = mha.proj.bias.to(dtype) if mha.proj.bias is not None else None
+        return torch.nn.functional.linear(z, mha.proj.weight.to(dtype), bias).view(B, N, -1)
 
 
 def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:

@@ -13,7 +13,8 @@
   build (None for a dtype whose GEMM the build does not export); without, its own loops (float32). In
   float32 on a CPU with AVX-512 the attention between them runs in ``fused_attention.h``'s loops
   (``torch.ops.visattn.moh_fused_attention(head_dim)`` says where).
-- ``moh_routed_attention_op(dtype)``: the chosen pairs' attention alone, for ``routed_kernel_dense``.
+- ``moh_routed_attention_op(dtype, head_dim)``: the chosen pairs' attention alone, for
+  ``routed_kernel_dense``: float32, and bfloat16 on AMX tiles (``amx_attention.h``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -41,7 +42,7 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("blas.h", "fused_attention.h", "row_gemm.h", "simd.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("amx_attention.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h")]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math. -fopenmp makes
 # at::parallel_for parallel: ATen's header runs it on the calling thread alone where _OPENMP is not
@@ -100,13 +101,18 @@ def moh_routed_heads_op(dtype: torch.dtype, blas: bool = True) -> Callable | Non
     return torch.ops.visattn.moh_routed_heads if ok else None
 
 
-def moh_routed_attention_op(dtype: torch.dtype) -> Callable | None:
+def moh_routed_attention_op(dtype: torch.dtype, head_dim: int | None = None) -> Callable | None:
     """``torch.ops.visattn.moh_routed_attention`` (the attention of the chosen pairs, for callers that
-    project densely) where it can run ``dtype`` inputs: float32, with MKL's SGEMM; else None (as
-    ``moh_routing_op``)."""
-    if _OFF.get() or not _load() or dtype != torch.float32 or not _has_blas(dtype):
+    project densely) where it can run ``dtype`` inputs: float32 with MKL's SGEMM, any head width;
+    bfloat16 on AMX tiles for heads ``head_dim`` wide where ``moh_amx_attention`` says they run (64 wide,
+    a CPU with AMX); else None (as ``moh_routing_op``)."""
+    if _OFF.get() or not _load():
         return None
-    return torch.ops.visattn.moh_routed_attention
+    if dtype == torch.float32:
+        return torch.ops.visattn.moh_routed_attention if _has_blas(dtype) else None
+    if dtype == torch.bfloat16 and head_dim is not None and torch.ops.visattn.moh_amx_attention(head_dim):
+        return torch.ops.visattn.moh_routed_attention
+    return None
 
 
 def has_sgemm() -> bool:

@@ -19,6 +19,7 @@
 
 #include <dlfcn.h>
 
+#include "amx_attention.h"
 #include "blas.h"
 #include "fused_attention.h"
 #include "row_gemm.h"
@@ -704,15 +705,46 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // are written (gated outputs, 0 where a pair is off). float32. With `fused` (the default) the attention
 // runs in fused_attention.h's AVX-512 loops where this CPU and head width allow (moh_fused_attention), else
 // through MKL's SGEMM (check moh_routed_blas); the tests run both.
+// The bfloat16 version of moh_routed_attention (amx_attention.h): q, k, v and z bf16, the biases and gates
+// float32, heads 64 wide on a CPU with AMX (moh_amx_attention), key and value rows 4-byte aligned.
+void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
+                          const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
+                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor& z) {
+  const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1);
+  for (const at::Tensor& t : {k, v, z})
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, "moh_routed_attention: q, k, v and z all bfloat16 (or float32)");
+  TORCH_CHECK(visattn::amx_attention_runs(d), "moh_routed_attention: bfloat16 needs AMX and heads 64 wide (",
+              d, " here; check moh_amx_attention)");
+  const auto even = [](const at::Tensor& t) {
+    return t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 && t.stride(2) % 2 == 0 &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  };
+  TORCH_CHECK(even(k) && even(v), "moh_routed_attention: bfloat16 keys and values need 4-byte aligned rows");
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const visattn::AmxImage a{B, N, H, Hkv, d, S, first_head, q.stride(0),
+                            reinterpret_cast<const uint16_t*>(q.data_ptr()),
+                            q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr,
+                            reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
+                            ks, vs, v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, gates.data_ptr<float>(),
+                            routed_mask.data_ptr<bool>(), reinterpret_cast<uint16_t*>(z.data_ptr())};
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    visattn::AmxScratch scratch;
+    visattn::amx_attend_images(a, b0, b1, scratch);
+  });
+}
+
 void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
                           const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
                           const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z, bool fused) {
-  for (const at::Tensor& t : {q, k, v, z, gates})
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "moh_routed_attention: float32 tensors");
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  for (const at::Tensor& t : {q, k, v, z})
+    TORCH_CHECK(t.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat),
+                "moh_routed_attention: q, k, v and z all float32 or all bfloat16");
+  TORCH_CHECK(gates.scalar_type() == at::kFloat, "moh_routed_attention: gates float32");
   for (const auto& t : {q_bias, v_bias})
     TORCH_CHECK(!t.has_value() || (t->scalar_type() == at::kFloat && t->is_contiguous()),
                 "moh_routed_attention: biases float32, contiguous");
-  TORCH_CHECK(sgemm_fn() != nullptr, "moh_routed_attention: no MKL SGEMM in this torch build");
+  TORCH_CHECK(bf16 || sgemm_fn() != nullptr, "moh_routed_attention: no MKL SGEMM in this torch build");
   const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1), T = B * N;
   TORCH_CHECK(q.dim() == 2 && q.size(0) == T && q.stride(1) == 1 && q.size(1) >= H * d, "moh_routed_attention: q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0, "moh_routed_attention: k, v");
@@ -724,6 +756,7 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   TORCH_CHECK(!q_bias.has_value() || q_bias->numel() == H * d, "moh_routed_attention: q_bias [H*d]");
   TORCH_CHECK(!v_bias.has_value() || v_bias->numel() == Hkv * d, "moh_routed_attention: v_bias [Hkv*d]");
   if (T == 0) return;
+  if (bf16) return routed_attention_amx(q, q_bias, k, v, v_bias, routed_mask, gates, S, first_head, z);
   // the gathered queries' offsets are 32-bit
   fused = fused && visattn::fused_attention_runs(d) && N * q.stride(0) <= std::numeric_limits<int32_t>::max();
   heads_attention(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
@@ -783,6 +816,9 @@ bool moh_routed_blas(at::ScalarType dtype) {
 // fused_attention.h's loops for heads `head_dim` wide on this CPU (`fused`, their default), else through SGEMM.
 bool moh_fused_attention(int64_t head_dim) { return visattn::fused_attention_runs(head_dim); }
 
+// Whether moh_routed_attention takes bfloat16 inputs for heads `head_dim` wide here (AMX, amx_attention.h).
+bool moh_amx_attention(int64_t head_dim) { return visattn::amx_attention_runs(head_dim); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
@@ -795,6 +831,7 @@ TORCH_LIBRARY_FRAGMENT(visattn, m) {
         "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True) -> ()");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
   m.def("moh_fused_attention(int head_dim) -> bool", &moh_fused_attention);
+  m.def("moh_amx_attention(int head_dim) -> bool", &moh_amx_attention);
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_routed_heads", &moh_routed_heads);
