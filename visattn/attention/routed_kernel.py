@@ -39,7 +39,10 @@ On a CPU with AVX-512, in float32 and for heads 16-64 wide, the kernel does not 
 - ``routed_kernel``'s per-head projections read x's chosen rows in place and add the heads' outputs into
   their rows in the same pass (``row_gemm.h``): 105-139 GFLOP/s against 81-91 for MKL's GEMMs with the
   row copies around them.
-Elsewhere, and in bfloat16, it is MKL's GEMMs and SDPA.
+Elsewhere it is MKL's GEMMs and SDPA. In bfloat16, ``routed_kernel_dense``'s attention runs on AMX tiles
+where the CPU has them (``visattn/kernels/amx_attention.h``, heads 64 wide): there SDPA's bf16 attention
+is half or more of an MHA layer's time, as the AMX matmuls are so fast; elsewhere bfloat16
+``routed_kernel_dense`` is ``dense_projections``.
 
 ``impl="auto"`` times them where they run. Where the kernel cannot run (gradients for ``routed_kernel``
 and ``routed_kernel_dense``, dropout in training, a device other than the CPU, a dtype it does not
