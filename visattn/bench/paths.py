@@ -8,9 +8,9 @@ inference time relative to ``mha`` and to the masked dense path of the same rout
 for ``auto`` the path its probe chose. Inference only (eval, no grad).
 
 The reference stays ``mha`` as users run it (timm's layer: SDPA, an addmm with qkv's bias). A second
-MHA row, ``mha kernel_parts``, computes the same layer with the parts MoH's float32 kernel paths use
-(``MHAOnKernelParts``): where it beats ``mha``, that much of MoH's margin comes from those parts, not
-from the heads it skips.
+MHA row, ``mha kernel_parts``, computes the same layer with the parts MoH's kernel paths use
+(``MHAOnKernelParts``; float32, and bf16 where the CPU has AMX): where it beats ``mha``, that much of
+MoH's margin comes from those parts, not from the heads it skips.
 """
 
 from __future__ import annotations
