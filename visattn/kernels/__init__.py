@@ -42,7 +42,10 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("amx_attention.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h")]
+HEADERS = [
+    Path(__file__).with_name(name)
+    for name in ("amx_attention.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h", "softmax.h")
+]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math. -fopenmp makes
 # at::parallel_for parallel: ATen's header runs it on the calling thread alone where _OPENMP is not

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "softmax.h"
 
 #if VISATTN_HAS_AVX512_CODE && __GNUC__ >= 11
 #define VISATTN_HAS_AMX_CODE 1
@@ -101,37 +102,6 @@ VISATTN_AMX VISATTN_INLINE __m512 widen(__m256i h) {
 
 // 32 float32 -> 32 bf16, round to nearest even (NaN stays NaN).
 VISATTN_AMX VISATTN_INLINE __m512i narrow(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-
-// row[0..n) <- exp(row - max); returns 1 / the sum (as fused_attention.h's softmax).
-VISATTN_AMX inline float exp_row(float* row, int64_t n) {
-  const int64_t full = n / kLanes * kLanes;
-  float mx = row[0];
-  for (int64_t j = full; j < n; ++j) mx = std::max(mx, row[j]);
-  if (full) {
-    __m512 top = _mm512_loadu_ps(row);
-    for (int64_t j = kLanes; j < full; j += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
-    alignas(64) float lanes[kLanes];
-    _mm512_store_ps(lanes, top);
-    for (int l = 0; l < kLanes; ++l) mx = std::max(mx, lanes[l]);  // a NaN score makes the sum NaN below
-  }
-  lanes_t sums{};
-  for (int64_t j = 0; j < full; j += kLanes) {
-    lanes_t v;
-    std::memcpy(&v, row + j, sizeof(lanes_t));
-    v = exp_le0(v - mx);
-    std::memcpy(row + j, &v, sizeof(lanes_t));
-    sums += v;
-  }
-  float total = 0.f;
-  for (int64_t j = full; j < n; ++j) {
-    row[j] = exp_le0(row[j] - mx);
-    total += row[j];
-  }
-  alignas(64) float lanes[kLanes];
-  std::memcpy(lanes, &sums, sizeof(lanes_t));
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return 1.f / total;
-}
 
 // Key/value head kvh of image b into tile layouts: kt [d/2][Np] (pairs of a key's dimensions 2c, 2c+1 as
 // one int32: the B operand of the scores), vp [Np/2][d] (pairs of keys 2m, 2m+1 per column: P @ V's B

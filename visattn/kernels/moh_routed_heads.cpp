@@ -9,7 +9,8 @@
 // are looked up at run time, so the library loads on any build; moh_routed_blas(dtype) says whether
 // the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. In float32,
 // with `fused` and an AVX-512 CPU, the attention between the two GEMMs runs in fused_attention.h's loops
-// instead of two more (and so does moh_routed_attention's). With `small_gemm` (float32, the loops path), the attention's GEMMs are loops here instead (at the study's
+// instead of two more (and so does moh_routed_attention's). With `small_gemm` (float32, the loops path),
+// the attention's GEMMs are loops here instead (at the study's
 // sizes, 12-wide heads and 17-49 tokens, a BLAS call costs more than its few thousand multiply-adds) and
 // the query and output projections are ATen matmuls over every (token, head) pair (heads_loops).
 #include <ATen/ATen.h>
@@ -24,6 +25,7 @@
 #include "fused_attention.h"
 #include "row_gemm.h"
 #include "simd.h"
+#include "softmax.h"
 
 #include <algorithm>
 #include <cmath>
@@ -57,8 +59,10 @@ void gemm(bool b_t, int m, int n, int kk, float alpha, const c10::BFloat16* a, i
                 lda, reinterpret_cast<const uint16_t*>(b), ldb, 0.f, c, ldc);
 }
 
+using visattn::exp_row;
 using visattn::kLanes;
 using visattn::lanes_t;
+using visattn::softmax_row;
 
 // Columns of b are padded to a multiple of kLanes (one AVX-512 register): small_gemm reads whole blocks.
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
@@ -142,83 +146,6 @@ void copy_padded(const T* src, int64_t rows, int64_t cols, int64_t ld, std::vect
   const int64_t ldo = padded(cols);
   out.assign(rows * ldo, T(0));
   for (int64_t i = 0; i < rows; ++i) std::memcpy(&out[i * ldo], src + i * ld, cols * sizeof(T));
-}
-
-// exp_row for a short row, in plain loops the compiler vectorises (eight partial maxima and sums, so
-// nothing is reassociated that it may not without -ffast-math).
-VISATTN_SIMD_CLONES float exp_row_short(float* row, int64_t n) {
-  constexpr int64_t L = 8;
-  float part[L];
-  for (int64_t l = 0; l < L; ++l) part[l] = row[0];
-  int64_t j = 0;
-  for (; j + L <= n; j += L)
-    for (int64_t l = 0; l < L; ++l) part[l] = std::max(part[l], row[j + l]);
-  float mx = part[0];
-  for (int64_t l = 1; l < L; ++l) mx = std::max(mx, part[l]);
-  for (; j < n; ++j) mx = std::max(mx, row[j]);
-  for (j = 0; j < n; ++j) row[j] = visattn::exp_le0(row[j] - mx);
-  for (int64_t l = 0; l < L; ++l) part[l] = 0.f;
-  for (j = 0; j + L <= n; j += L)
-    for (int64_t l = 0; l < L; ++l) part[l] += row[j + l];
-  float total = 0.f;
-  for (int64_t l = 0; l < L; ++l) total += part[l];
-  for (; j < n; ++j) total += row[j];
-  return 1.f / total;
-}
-
-// exp_row for a long row: whole lanes_t blocks, the last one padded; per-lane maxima and sums.
-VISATTN_SIMD_CLONES float exp_row_blocks(float* row, int64_t n) {
-  const int64_t full = n / kLanes * kLanes, tail = n - full;
-  float block[kLanes];
-  float mx = row[0];
-  for (int64_t j = full; j < n; ++j) mx = std::max(mx, row[j]);
-  if (full) {
-    lanes_t top;
-    std::memcpy(&top, row, sizeof(lanes_t));
-    for (int64_t j = kLanes; j < full; j += kLanes) {
-      lanes_t v;
-      std::memcpy(&v, row + j, sizeof(lanes_t));
-      top = top < v ? v : top;
-    }
-    std::memcpy(block, &top, sizeof(lanes_t));
-    for (int64_t l = 0; l < kLanes; ++l) mx = std::max(mx, block[l]);
-  }
-  lanes_t sums{};
-  for (int64_t j = 0; j < full; j += kLanes) {
-    lanes_t v;
-    std::memcpy(&v, row + j, sizeof(lanes_t));
-    v = visattn::exp_le0(v - mx);
-    std::memcpy(row + j, &v, sizeof(lanes_t));
-    sums += v;
-  }
-  float total = 0.f;
-  if (tail) {  // the last block padded with the maximum; its padding lanes neither stored nor summed
-    for (int64_t l = 0; l < kLanes; ++l) block[l] = l < tail ? row[full + l] : mx;
-    lanes_t v;
-    std::memcpy(&v, block, sizeof(lanes_t));
-    v = visattn::exp_le0(v - mx);
-    std::memcpy(block, &v, sizeof(lanes_t));
-    for (int64_t l = 0; l < tail; ++l) {
-      row[full + l] = block[l];
-      total += block[l];
-    }
-  }
-  std::memcpy(block, &sums, sizeof(lanes_t));
-  for (int64_t l = 0; l < kLanes; ++l) total += block[l];
-  return 1.f / total;
-}
-
-// row[0..n) <- exp(row - max(row)); returns 1 / the sum of the new row, which a softmax multiplies by. The
-// caller scales what it computes from the row (d values per row, not n) instead of the row itself, as
-// flash attention does. A NaN score makes the sum NaN. The blocks ran the softmax of 197-256 tokens 1.5x
-// faster than plain loops; on the study's 17 tokens their padded tail and reductions made the loops
-// kernel's layer 5% slower (10th session), so short rows take the loops.
-inline float exp_row(float* row, int64_t n) { return n < 4 * kLanes ? exp_row_short(row, n) : exp_row_blocks(row, n); }
-
-// row[0..n) <- softmax(row), for the backward's recomputed probabilities.
-inline void softmax_row(float* row, int64_t n) {
-  const float inv = exp_row(row, n);
-  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
 }
 
 // dst[rows[i] * n ..][0..n) += src[i * n ..][0..n) for i < m: each gathered row's projection added to its token.
