@@ -294,6 +294,33 @@ def test_the_attention_op_in_bfloat16_against_the_formula(kernel, N):
     assert not kernels.moh_routed_attention_op(torch.bfloat16, 32) and not kernels.moh_routed_attention_op(torch.bfloat16)
 
 
+def test_the_bfloat16_attention_op_at_the_edges_of_its_softmax(kernel):
+    """Scores far below 0 (keys opposed to the queries: no padded key's 0 may count as the maximum) and a
+    NaN key (NaN for the heads that read it, in its image alone), with 45 keys: a tail in every step."""
+    _amx_or_skip()
+    torch.manual_seed(4)
+    B, N, H, d = 2, 45, 2, 64
+    T = B * N
+    direction = torch.randn(d)
+    q = (6 * direction).repeat(T, H)  # [T, H * d]: every query along `direction`
+    k = (-6 * direction + 0.3 * torch.randn(B, 1, N, d)).to(torch.bfloat16)  # scores about -36 * |direction|^2 / 8
+    v = torch.randn(B, 1, N, d).to(torch.bfloat16)
+    q = q.to(torch.bfloat16)
+    gates, no_routed = torch.rand(T, H), torch.zeros(0, T, dtype=torch.bool)
+    keys, values = k.float().expand(B, H, N, d), v.float().expand(B, H, N, d)
+    scores = q.float().view(B, N, H, d).transpose(1, 2) @ keys.transpose(-1, -2) / d**0.5
+    assert scores.max() < -200  # exp(-200) underflows: shifted by 0 instead of the maximum, every sum would be 0
+    heads = torch.softmax(scores, -1) @ values
+    expected = (heads.transpose(1, 2) * gates.view(B, N, H, 1)).reshape(T, H * d)
+    op = kernels.moh_routed_attention_op(torch.bfloat16, d)
+    z = torch.empty(T, H * d, dtype=torch.bfloat16)
+    op(q, None, k, v, None, no_routed, gates, H, 0, z)
+    torch.testing.assert_close(z.float(), expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
+    k[1, 0, 30, 5] = float("nan")
+    op(q, None, k, v, None, no_routed, gates, H, 0, z)
+    assert z[N:].isnan().all() and z[:N].isfinite().all()
+
+
 def test_amx_attention_runs_where_the_cpu_has_amx_bf16():
     if kernels.moh_routing_op() is None:
         pytest.skip("no C++ toolchain: no kernels")

@@ -1,7 +1,7 @@
 // The attention of one image's chosen (token, head) pairs in bfloat16 on AMX tiles, for
 // moh_routed_attention's bf16 inputs (routed_kernel_dense under autocast): per head and tile of 16 chosen
 // queries, the scores [16, N] from two tile products per 16 keys (queries and keys as bf16, sums in
-// float32), the softmax in float32 AVX-512, the probabilities rounded to bf16 and P @ V as tile
+// float32), the softmax in float32 AVX-512 (exp2_bf16), the probabilities rounded to bf16 and P @ V as tile
 // products into four 16 x 16 float32 tiles, the gated outputs rounded to bf16 into their rows of z.
 //
 // Why: in bf16 the AMX matmuls run at 1.1-1.4 TFLOP/s, so SDPA's attention (113-197 GFLOP/s) is 51-71% of
@@ -9,6 +9,11 @@
 // float32 loops of fused_attention.h on converted copies, and AVX512-BF16 dot products, ran no faster than
 // SDPA (docs/results/benchmarks.md, 11th session). Heads 64 wide; CPUs with AMX-BF16 and AVX512-BF16 whose
 // kernel grants the tile state (amx_attention_runs).
+//
+// The 12th session's profile (perf) of the first version: the softmax's exp was a third of its time, and
+// cache misses on the query rows and on the key gathers another sixth (q, k and v are views of one
+// [tokens, 3C] matmul output, far larger than L2). Hence one pass per row for exp, sum and rounding with
+// a shorter exp, and prefetches of the next tile's queries and the next head's keys and values.
 #pragma once
 
 #include <immintrin.h>
@@ -22,11 +27,10 @@
 #include <vector>
 
 #include "simd.h"
-#include "softmax.h"
 
 #if VISATTN_HAS_AVX512_CODE && __GNUC__ >= 11
 #define VISATTN_HAS_AMX_CODE 1
-#define VISATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16,fma")))
+#define VISATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512bf16,fma")))
 #else
 #define VISATTN_HAS_AMX_CODE 0
 #endif
@@ -38,7 +42,9 @@ namespace visattn {
 inline bool amx_attention_runs(int64_t d) {
 #if VISATTN_HAS_AMX_CODE
   static const bool runs = [] {
-    if (!avx512_runs() || !__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return false;
+    if (!avx512_runs() || !__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("avx512dq"))
+      return false;
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
   }();
@@ -82,9 +88,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes. Loaded before each tile of queries: a call through the dynamic linker's
-// lazy binder (its xsave / xrstor) between two tile instructions left the tiles unconfigured (SIGILL).
-VISATTN_AMX inline void configure() {
+// Every tile 16 rows of 64 bytes. Loaded before each head's tiles, after the last call that may go through
+// the dynamic linker's lazy binder (memset, operator new): its xsave / xrstor between two tile
+// instructions left the tiles unconfigured (SIGILL). So the functions below are static: called directly,
+// never through the PLT.
+VISATTN_AMX static inline void configure() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kTile;
@@ -93,7 +101,7 @@ VISATTN_AMX inline void configure() {
   _tile_loadconfig(&cfg);
 }
 
-VISATTN_AMX inline void release() { _tile_release(); }
+VISATTN_AMX static inline void release() { _tile_release(); }
 
 // 16 bf16 -> float32 (exact).
 VISATTN_AMX VISATTN_INLINE __m512 widen(__m256i h) {
@@ -103,10 +111,49 @@ VISATTN_AMX VISATTN_INLINE __m512 widen(__m256i h) {
 // 32 float32 -> 32 bf16, round to nearest even (NaN stays NaN).
 VISATTN_AMX VISATTN_INLINE __m512i narrow(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 
+// 2^t for t <= 0, t = (score - max) * log2(e): t = n + f with f in [-1/2, 1/2], 2^f from a degree-5
+// polynomial (relative error 2.4e-6: the probabilities are rounded to bf16, 2^-9, and their float32 sum
+// moves by less), times 2^n by vscalefps (0 below the smallest float; NaN stays NaN). Half the
+// instructions of simd.h's exp_le0, which is within 2 ulp of expf for the float32 kernels.
+VISATTN_AMX VISATTN_INLINE __m512 exp2_bf16(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);  // ln(2)^k / k!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, _mm512_sub_ps(t, f));
+}
+
+// The first `valid` of 16 lanes.
+VISATTN_INLINE __mmask16 first_lanes(int64_t valid) {
+  return valid >= 16 ? __mmask16(0xffff) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
+}
+
+// Row r of the scores st [16, Np] (float32, keys past N ignored) -> exp(score - max) rounded to bf16 in
+// pb [16, Np] (0 past N); returns 1 / the float32 sum of the unrounded values. One pass for the maximum,
+// one for the rest.
+VISATTN_AMX VISATTN_INLINE float softmax_row(const float* row, int64_t N, int64_t Np, uint16_t* out) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), lowest = _mm512_set1_ps(-INFINITY);
+  __m512 mx = lowest;
+  for (int64_t n = 0; n < N; n += kTile) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, first_lanes(N - n), row + n));
+  const __m512 shift = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), log2e);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t n = 0; n < Np; n += 2 * kTile) {
+    const __m512 e0 = _mm512_maskz_mov_ps(first_lanes(N - n), exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + n), log2e, shift)));
+    const __m512 e1 = _mm512_maskz_mov_ps(first_lanes(N - n - kTile),
+                                          exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + n + kTile), log2e, shift)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(out + n, narrow(e0, e1));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // Key/value head kvh of image b into tile layouts: kt [d/2][Np] (pairs of a key's dimensions 2c, 2c+1 as
 // one int32: the B operand of the scores), vp [Np/2][d] (pairs of keys 2m, 2m+1 per column: P @ V's B
 // operand); keys past N are 0.
-VISATTN_AMX inline void pack_kv(const AmxImage& a, int64_t b, int64_t kvh, int64_t Np, AmxScratch& s) {
+VISATTN_AMX static inline void pack_kv(const AmxImage& a, int64_t b, int64_t kvh, int64_t Np, AmxScratch& s) {
   const int64_t N = a.N, d = a.d, d2 = d / 2;
   const uint16_t* kb = a.k + b * a.k_strides[0] + kvh * a.k_strides[1];
   const uint16_t* vb = a.v + b * a.v_strides[0] + kvh * a.v_strides[1];
@@ -141,7 +188,7 @@ VISATTN_AMX inline void pack_kv(const AmxImage& a, int64_t b, int64_t kvh, int64
 }
 
 // Queries rows[0..mq) of head h (mq <= 16; the rest repeat the last), attended and written to z.
-VISATTN_AMX inline void tile(const AmxImage& a, int64_t b, int64_t h, const int32_t* rows, int mq, int64_t Np,
+VISATTN_AMX static inline void tile(const AmxImage& a, int64_t b, int64_t h, const int32_t* rows, int mq, int64_t Np,
                              AmxScratch& s) {
   const int64_t N = a.N, d = a.d, H = a.H, Hd = H * d, kvh = h / (H / a.Hkv);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -159,7 +206,6 @@ VISATTN_AMX inline void tile(const AmxImage& a, int64_t b, int64_t h, const int3
       _mm512_storeu_si512(qa + r * d + c, narrow(_mm512_mul_ps(x0, sc), _mm512_mul_ps(x1, sc)));
     }
   }
-  configure();
   float* st = s.st.data();
   _tile_loadd(0, qa, d * 2);       // dimensions 0..31 of the 16 queries
   _tile_loadd(1, qa + 32, d * 2);  // 32..63
@@ -173,13 +219,7 @@ VISATTN_AMX inline void tile(const AmxImage& a, int64_t b, int64_t h, const int3
   }
   alignas(64) float inv[kTile];
   uint16_t* pb = reinterpret_cast<uint16_t*>(s.pb.data());
-  for (int r = 0; r < kTile; ++r) {  // softmax rows in float32; probabilities to bf16, 0 past N
-    float* row = st + r * Np;
-    inv[r] = exp_row(row, N);
-    for (int64_t n = N; n < Np; ++n) row[n] = 0.f;
-    for (int64_t n = 0; n < Np; n += 32)
-      _mm512_storeu_si512(pb + r * Np + n, narrow(_mm512_loadu_ps(row + n), _mm512_loadu_ps(row + n + 16)));
-  }
+  for (int r = 0; r < kTile; ++r) inv[r] = softmax_row(st + r * Np, N, Np, pb + r * Np);
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -217,7 +257,29 @@ VISATTN_AMX inline void tile(const AmxImage& a, int64_t b, int64_t h, const int3
   }
 }
 
-VISATTN_AMX inline void image(const AmxImage& a, int64_t b, AmxScratch& s) {
+// Prefetches for the tile after tile t of `tiles` (of head h in image b, queries rows[0..m)): its query rows
+// into L1, and a share of the next key/value head's rows (this image's next one, else the next image's
+// first) into L2.
+VISATTN_AMX static inline void prefetch_next(const AmxImage& a, int64_t b, int64_t h, const int32_t* rows, int64_t m,
+                                             int64_t t, int64_t tiles) {
+  const int64_t N = a.N, d = a.d, group = a.H / a.Hkv, kvh = h / group;
+  for (int64_t i = (t + 1) * kTile; i < std::min<int64_t>(m, (t + 2) * kTile); ++i) {
+    const char* q = reinterpret_cast<const char*>(a.q + (b * N + rows[i]) * a.q_ld + h * d);
+    for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+  }
+  const bool same_image = h + 1 < a.H && (h + 1) / group != kvh;
+  if (!same_image && (h + 1 < a.H || b + 1 >= a.B)) return;  // the next head shares these keys; or none is left
+  const int64_t nb = same_image ? b : b + 1, nkv = same_image ? kvh + 1 : 0;
+  const char* k = reinterpret_cast<const char*>(a.k + nb * a.k_strides[0] + nkv * a.k_strides[1]);
+  const char* v = reinterpret_cast<const char*>(a.v + nb * a.v_strides[0] + nkv * a.v_strides[1]);
+  for (int64_t n = N * t / tiles; n < N * (t + 1) / tiles; ++n)
+    for (int64_t c = 0; c < d * 2; c += 64) {
+      _mm_prefetch(k + n * a.k_strides[2] * 2 + c, _MM_HINT_T1);
+      _mm_prefetch(v + n * a.v_strides[2] * 2 + c, _MM_HINT_T1);
+    }
+}
+
+VISATTN_AMX static inline void image(const AmxImage& a, int64_t b, AmxScratch& s) {
   const int64_t N = a.N, d = a.d, H = a.H, Hd = H * d, group = H / a.Hkv;
   const int64_t Np = (N + 31) / 32 * 32;  // keys padded to whole steps of P @ V
   s.kt.resize(d / 2 * Np);
@@ -237,9 +299,12 @@ VISATTN_AMX inline void image(const AmxImage& a, int64_t b, AmxScratch& s) {
     const bool* chosen = h >= a.S ? a.mask + (h - a.S) * a.B * N + b * N : nullptr;
     for (int64_t n = 0; n < N; ++n)
       if (!chosen || chosen[n]) s.rows.push_back(static_cast<int32_t>(n));
-    const int64_t m = static_cast<int64_t>(s.rows.size());
-    for (int64_t i0 = 0; i0 < m; i0 += kTile)
-      tile(a, b, h, s.rows.data() + i0, static_cast<int>(std::min<int64_t>(kTile, m - i0)), Np, s);
+    const int64_t m = static_cast<int64_t>(s.rows.size()), tiles = (m + kTile - 1) / kTile;
+    configure();
+    for (int64_t t = 0; t < tiles; ++t) {
+      prefetch_next(a, b, h, s.rows.data(), m, t, tiles);
+      tile(a, b, h, s.rows.data() + t * kTile, static_cast<int>(std::min<int64_t>(kTile, m - t * kTile)), Np, s);
+    }
     if (chosen)
       for (int64_t n = 0; n < N; ++n)
         if (!chosen[n]) std::memset(a.z + (b * N + n) * Hd + h * d, 0, d * sizeof(uint16_t));
