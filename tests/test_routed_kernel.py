@@ -283,7 +283,7 @@ def test_the_attention_op_in_bfloat16_against_the_formula(kernel, N):
     on = torch.cat([torch.ones(S, T, dtype=torch.bool), mask]).t()
     expected = (heads.transpose(1, 2).reshape(T, H, d) * (gates * on).unsqueeze(-1)).reshape(T, H * d)
     op = kernels.moh_routed_attention_op(torch.bfloat16, d)
-    for first_head in (0, 2):
+    for first_head in (2, 0):
         z = torch.full((T, H * d), float("nan"), dtype=torch.bfloat16)
         op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z)
         scale = expected.abs().max().item()
@@ -291,6 +291,12 @@ def test_the_attention_op_in_bfloat16_against_the_formula(kernel, N):
                                    atol=1e-2 * scale)
         assert z[:, : first_head * d].isnan().all()
     assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
+    # z over the queries themselves, in their strided rows (as routed_kernel_dense calls it): the same outputs
+    rows2 = rows.clone()
+    q2, k2, v2, _ = rows2.split([H * d, Hkv * d, Hkv * d, 16], dim=-1)
+    k2, v2 = (t.view(B, N, Hkv, d).transpose(1, 2) for t in (k2, v2))
+    op(q2, q_bias, k2, v2, v_bias, mask, gates, S, 0, q2)
+    assert torch.equal(q2, z) and torch.equal(rows2[:, H * d :], rows[:, H * d :])
     assert not kernels.moh_routed_attention_op(torch.bfloat16, 32) and not kernels.moh_routed_attention_op(torch.bfloat16)
 
 

@@ -272,8 +272,11 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     gates, selected = attn.route(x, None, logits=logits)  # [B, N, H] each
     shared = attn.router.shared_heads
     routed_mask = _routed_mask(selected, shared)
-    z = x.new_empty(T, H * d)  # every head's gated output; the kernel writes all of it
-    op(q.reshape(T, attn.attn_dim), q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
+    q = q.reshape(T, attn.attn_dim)
+    # every head's gated output; the kernel writes all of it. In bf16 over the queries themselves (each
+    # pair's query is read before its output is written): no [T, H*d] buffer to allocate and fault in.
+    z = q if dtype == torch.bfloat16 else x.new_empty(T, H * d)
+    op(q, q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
     bias = attn.proj.bias.to(dtype) if attn.proj.bias is not None else None
     out = torch.nn.functional.linear(z, attn.proj.weight.to(dtype), bias)
     return attn.proj_drop(out.view(B, N, -1))

@@ -58,7 +58,8 @@ inline bool amx_attention_runs(int64_t d) {
 // One image: every head from first_head on, its chosen tokens (mask as moh_routed_attention's), queries
 // q + (b * N + n) * q_ld + h * d (bf16, to which q_bias, float32, is added), keys and values [N, d] per
 // key/value head (bf16, row strides k_ld / v_ld, even), gates float32 [T, H], the values' float32 bias
-// v_bias where v came without it; outputs bf16 into z [T, H * d] (0 where a pair is off).
+// v_bias where v came without it; outputs bf16 into z [T, H * d] (row stride z_ld; 0 where a pair is off).
+// z may be q itself: a pair's query is read before the pair's output is written, and by no other pair.
 struct AmxImage {
   int64_t B, N, H, Hkv, d, S, first_head, q_ld;
   const uint16_t* q;
@@ -68,6 +69,7 @@ struct AmxImage {
   const float *v_bias, *gates;
   const bool* mask;
   uint16_t* z;
+  int64_t z_ld;
 };
 
 struct AmxScratch {
@@ -190,7 +192,7 @@ VISATTN_AMX static inline void pack_kv(const AmxImage& a, int64_t b, int64_t kvh
 // Queries rows[0..mq) of head h (mq <= 16; the rest repeat the last), attended and written to z.
 VISATTN_AMX static inline void tile(const AmxImage& a, int64_t b, int64_t h, const int32_t* rows, int mq, int64_t Np,
                              AmxScratch& s) {
-  const int64_t N = a.N, d = a.d, H = a.H, Hd = H * d, kvh = h / (H / a.Hkv);
+  const int64_t N = a.N, d = a.d, H = a.H, kvh = h / (H / a.Hkv);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   uint16_t* qa = reinterpret_cast<uint16_t*>(s.qa.data());
   for (int r = 0; r < kTile; ++r) {  // (q + q_bias) * scale, rounded to bf16: [16, d]
@@ -244,7 +246,7 @@ VISATTN_AMX static inline void tile(const AmxImage& a, int64_t b, int64_t h, con
   for (int r = 0; r < mq; ++r) {  // (o / sum + v_bias) * gate -> bf16
     const int64_t n = rows[r];
     const __m512 g = _mm512_set1_ps(a.gates[(b * N + n) * H + h]), sc = _mm512_set1_ps(inv[r]);
-    uint16_t* zr = a.z + (b * N + n) * Hd + h * d;
+    uint16_t* zr = a.z + (b * N + n) * a.z_ld + h * d;
     for (int64_t c = 0; c < d; c += 32) {
       __m512 y0 = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c), sc);
       __m512 y1 = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c + 16), sc);
@@ -257,6 +259,11 @@ VISATTN_AMX static inline void tile(const AmxImage& a, int64_t b, int64_t h, con
   }
 }
 
+// Prefetches as asm statements: GCC took prefetch_next, a function of _mm_prefetch calls alone, for one
+// without side effects and deleted the call (none were in the binary).
+VISATTN_INLINE void prefetch_l1(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+VISATTN_INLINE void prefetch_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
 // Prefetches for the tile after tile t of `tiles` (of head h in image b, queries rows[0..m)): its query rows
 // into L1, and a share of the next key/value head's rows (this image's next one, else the next image's
 // first) into L2.
@@ -265,7 +272,7 @@ VISATTN_AMX static inline void prefetch_next(const AmxImage& a, int64_t b, int64
   const int64_t N = a.N, d = a.d, group = a.H / a.Hkv, kvh = h / group;
   for (int64_t i = (t + 1) * kTile; i < std::min<int64_t>(m, (t + 2) * kTile); ++i) {
     const char* q = reinterpret_cast<const char*>(a.q + (b * N + rows[i]) * a.q_ld + h * d);
-    for (int64_t c = 0; c < d * 2; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < d * 2; c += 64) prefetch_l1(q + c);
   }
   const bool same_image = h + 1 < a.H && (h + 1) / group != kvh;
   if (!same_image && (h + 1 < a.H || b + 1 >= a.B)) return;  // the next head shares these keys; or none is left
@@ -274,13 +281,13 @@ VISATTN_AMX static inline void prefetch_next(const AmxImage& a, int64_t b, int64
   const char* v = reinterpret_cast<const char*>(a.v + nb * a.v_strides[0] + nkv * a.v_strides[1]);
   for (int64_t n = N * t / tiles; n < N * (t + 1) / tiles; ++n)
     for (int64_t c = 0; c < d * 2; c += 64) {
-      _mm_prefetch(k + n * a.k_strides[2] * 2 + c, _MM_HINT_T1);
-      _mm_prefetch(v + n * a.v_strides[2] * 2 + c, _MM_HINT_T1);
+      prefetch_l2(k + n * a.k_strides[2] * 2 + c);
+      prefetch_l2(v + n * a.v_strides[2] * 2 + c);
     }
 }
 
 VISATTN_AMX static inline void image(const AmxImage& a, int64_t b, AmxScratch& s) {
-  const int64_t N = a.N, d = a.d, H = a.H, Hd = H * d, group = H / a.Hkv;
+  const int64_t N = a.N, d = a.d, H = a.H, group = H / a.Hkv;
   const int64_t Np = (N + 31) / 32 * 32;  // keys padded to whole steps of P @ V
   s.kt.resize(d / 2 * Np);
   s.vp.resize(Np / 2 * d);
@@ -307,7 +314,7 @@ VISATTN_AMX static inline void image(const AmxImage& a, int64_t b, AmxScratch& s
     }
     if (chosen)
       for (int64_t n = 0; n < N; ++n)
-        if (!chosen[n]) std::memset(a.z + (b * N + n) * Hd + h * d, 0, d * sizeof(uint16_t));
+        if (!chosen[n]) std::memset(a.z + (b * N + n) * a.z_ld + h * d, 0, d * sizeof(uint16_t));
   }
 }
 

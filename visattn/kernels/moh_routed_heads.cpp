@@ -653,7 +653,7 @@ void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& 
                             q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr,
                             reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
                             ks, vs, v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, gates.data_ptr<float>(),
-                            routed_mask.data_ptr<bool>(), reinterpret_cast<uint16_t*>(z.data_ptr())};
+                            routed_mask.data_ptr<bool>(), reinterpret_cast<uint16_t*>(z.data_ptr()), z.stride(0)};
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     visattn::AmxScratch scratch;
     visattn::amx_attend_images(a, b0, b1, scratch);
@@ -675,7 +675,10 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1), T = B * N;
   TORCH_CHECK(q.dim() == 2 && q.size(0) == T && q.stride(1) == 1 && q.size(1) >= H * d, "moh_routed_attention: q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0, "moh_routed_attention: k, v");
-  TORCH_CHECK(z.is_contiguous() && z.size(0) == T && z.size(1) == H * d, "moh_routed_attention: z [T, H*d]");
+  // bfloat16: z's rows may be strided, so that z can be q itself (amx_attention.h)
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == T && z.size(1) == H * d && z.stride(1) == 1 &&
+                  (bf16 ? z.stride(0) >= H * d : z.is_contiguous()),
+              "moh_routed_attention: z [T, H*d], contiguous (bfloat16: rows may be strided)");
   TORCH_CHECK(gates.is_contiguous() && gates.size(0) == T && routed_mask.scalar_type() == at::kBool &&
                   routed_mask.is_contiguous() && routed_mask.size(0) == H - S && routed_mask.size(1) == T &&
                   0 <= first_head && first_head <= H,
