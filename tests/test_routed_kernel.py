@@ -236,12 +236,16 @@ def test_the_attention_op_against_the_formula(kernel, d, N, fused):
     op = kernels.moh_routed_attention_op(torch.float32)
     if op is None:
         pytest.skip("no MKL SGEMM in this torch build")
-    for first_head in (0, 2):
+    for first_head in (2, 0):
         z = torch.full((T, H * d), float("nan"))
         op(q, q_bias, k, v, v_bias, mask, gates, S, first_head, z, fused)
         torch.testing.assert_close(z[:, first_head * d :], expected[:, first_head * d :], rtol=1e-5, atol=1e-5)
         assert z[:, : first_head * d].isnan().all()
     assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
+    rows2 = rows.clone()  # z over the queries themselves, in their strided rows: the same outputs
+    q2 = rows2[:, : H * d]
+    op(q2, q_bias, k, v, v_bias, mask, gates, S, 0, q2, fused)
+    assert torch.equal(q2, z) and torch.equal(rows2[:, H * d :], rows[:, H * d :])
 
 
 def test_the_fused_attention_runs_where_the_cpu_has_avx512():

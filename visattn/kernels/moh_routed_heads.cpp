@@ -351,14 +351,15 @@ void heads_blas(const Heads<T>& p) {
 // The attention alone, float32, for callers that project densely (the whole-tensor matmuls run faster than
 // the per-head GEMMs of heads_blas where most routed pairs are on, 10th session): per image and head from
 // `first_head` on, the chosen tokens' queries (their rows of q, plus q_bias) are gathered, attended against
-// the image's keys and values, and gated into the tokens' rows of z [T, H*d]; the rows of tokens that did
-// not choose the head are set to 0. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d]; q_bias [H*d]
+// the image's keys and values, and gated into the tokens' rows of z [T, H*d] (row stride z_ld); the rows of
+// tokens that did not choose the head are set to 0. z may be q itself: a pair's query is read before the
+// pair's output is written, and by no other pair. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d]; q_bias [H*d]
 // and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it). With `fused` (fused_attention_runs)
 // in AVX-512 registers (fused_attention.h), else through MKL's GEMMs.
 void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
                      const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
-                     const float* v_bias, const bool* mask, const float* gates, float* z, bool fused) {
-  const int64_t Hd = H * d, group = H / Hkv;
+                     const float* v_bias, const bool* mask, const float* gates, float* z, int64_t z_ld, bool fused) {
+  const int64_t group = H / Hkv;
   const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)}, vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   const float *k0 = k.data_ptr<float>(), *v0 = v.data_ptr<float>();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -373,13 +374,13 @@ void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, in
         const int64_t m = static_cast<int64_t>(rows.size()), kvh = h / group;
         const float *kb = k0 + b * ks[0] + kvh * ks[1], *vb = v0 + b * vs[0] + kvh * vs[1];
         const float* bv = v_bias ? v_bias + kvh * d : nullptr;
-        float* z_img = z + b * N * Hd + h * d;
+        float* z_img = z + b * N * z_ld + h * d;
         if (fused) {
           rows32.assign(rows.begin(), rows.end());
           const visattn::AttendRows p{m, N, d, q + b * N * q_ld + h * d, q_ld, rows32.data(),
                                       q_bias ? q_bias + h * d : nullptr, kb, vb, ks[2], vs[2], bv,
-                                      gates + b * N * H + h, H, rows32.data(), z_img, Hd, rows32.data()};
-          visattn::fused_attend(p, next_head_rows(b, b1, h, first_head, H, N, d, group, q, q_ld, k0, ks, v0, vs, z, Hd),
+                                      gates + b * N * H + h, H, rows32.data(), z_img, z_ld, rows32.data()};
+          visattn::fused_attend(p, next_head_rows(b, b1, h, first_head, H, N, d, group, q, q_ld, k0, ks, v0, vs, z, z_ld),
                                 scratch);
         } else if (m > 0) {
           qg.resize(m * d);
@@ -395,13 +396,13 @@ void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, in
           gemm(false, m, d, N, 1.f, s.data(), N, vb, static_cast<int>(vs[2]), o.data(), d);
           for (int64_t i = 0; i < m; ++i) {
             const float g = gates[(b * N + rows[i]) * H + h];
-            float* zr = z_img + rows[i] * Hd;
+            float* zr = z_img + rows[i] * z_ld;
             for (int64_t c = 0; c < d; ++c) zr[c] = (o[i * d + c] * inv[i] + (bv ? bv[c] : 0.f)) * g;
           }
         }
         for (int64_t n = 0, i = 0; n < N; ++n) {  // the tokens that did not choose the head
           if (i < m && rows[i] == n) ++i;
-          else std::memset(z_img + n * Hd, 0, d * sizeof(float));
+          else std::memset(z_img + n * z_ld, 0, d * sizeof(float));
         }
       }
     }
@@ -628,8 +629,8 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // The attention of every (token, head) pair chosen, heads from first_head on, for a caller that projects
 // queries and outputs itself (heads_attention_blas): q [T, >= H*d] (unit column stride), q_bias [H*d] or
 // None, k/v [B, Hkv, N, d] (unit last stride), v_bias [Hkv*d] or None (v computed without it),
-// routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] contiguous: its columns of heads >= first_head
-// are written (gated outputs, 0 where a pair is off). float32. With `fused` (the default) the attention
+// routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] (unit column stride; it may be q itself): its
+// columns of heads >= first_head are written (gated outputs, 0 where a pair is off). float32. With `fused` (the default) the attention
 // runs in fused_attention.h's AVX-512 loops where this CPU and head width allow (moh_fused_attention), else
 // through MKL's SGEMM (check moh_routed_blas); the tests run both.
 // The bfloat16 version of moh_routed_attention (amx_attention.h): q, k, v and z bf16, the biases and gates
@@ -675,10 +676,9 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1), T = B * N;
   TORCH_CHECK(q.dim() == 2 && q.size(0) == T && q.stride(1) == 1 && q.size(1) >= H * d, "moh_routed_attention: q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0, "moh_routed_attention: k, v");
-  // bfloat16: z's rows may be strided, so that z can be q itself (amx_attention.h)
-  TORCH_CHECK(z.dim() == 2 && z.size(0) == T && z.size(1) == H * d && z.stride(1) == 1 &&
-                  (bf16 ? z.stride(0) >= H * d : z.is_contiguous()),
-              "moh_routed_attention: z [T, H*d], contiguous (bfloat16: rows may be strided)");
+  // z's rows may be strided, so that z can be q itself
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == T && z.size(1) == H * d && z.stride(1) == 1 && z.stride(0) >= H * d,
+              "moh_routed_attention: z [T, H*d], unit column stride");
   TORCH_CHECK(gates.is_contiguous() && gates.size(0) == T && routed_mask.scalar_type() == at::kBool &&
                   routed_mask.is_contiguous() && routed_mask.size(0) == H - S && routed_mask.size(1) == T &&
                   0 <= first_head && first_head <= H,
@@ -692,7 +692,7 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   heads_attention(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
                   q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr, k, v,
                   v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, routed_mask.data_ptr<bool>(),
-                  gates.data_ptr<float>(), z.data_ptr<float>(), fused);
+                  gates.data_ptr<float>(), z.data_ptr<float>(), z.stride(0), fused);
 }
 
 // The gradients of moh_routed_heads(..., first_head = 0, small_gemm = true) for grad_out [T, Co]: dx [T, C],
