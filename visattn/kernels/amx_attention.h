@@ -133,19 +133,24 @@ VISATTN_INLINE __mmask16 first_lanes(int64_t valid) {
   return valid >= 16 ? __mmask16(0xffff) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
 }
 
-// Row r of the scores st [16, Np] (float32, keys past N ignored) -> exp(score - max) rounded to bf16 in
-// pb [16, Np] (0 past N); returns 1 / the float32 sum of the unrounded values. One pass for the maximum,
-// one for the rest.
-VISATTN_AMX VISATTN_INLINE float softmax_row(const float* row, int64_t N, int64_t Np, uint16_t* out) {
+// exp(score - max) of row[n .. n + 16) (shift = max * log2(e)), 0 past N. A function, not a lambda: a lambda
+// does not inherit the target attribute.
+VISATTN_AMX VISATTN_INLINE __m512 exp_from(const float* row, int64_t n, int64_t N, __m512 log2e, __m512 shift) {
+  return _mm512_maskz_mov_ps(first_lanes(N - n), exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + n), log2e, shift)));
+}
+
+// A row of scores, float32 [Np] (keys past N ignored) -> exp(score - max) rounded to bf16 in out [Np] (0
+// past N); returns 1 / the float32 sum of the unrounded values, as simd.h's exp_row does. One pass for
+// the maximum, one for the rest.
+VISATTN_AMX VISATTN_INLINE float exp_row_bf16(const float* row, int64_t N, int64_t Np, uint16_t* out) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), lowest = _mm512_set1_ps(-INFINITY);
   __m512 mx = lowest;
-  for (int64_t n = 0; n < N; n += kTile) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, first_lanes(N - n), row + n));
+  for (int64_t n = 0; n < N; n += kTile)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(lowest, first_lanes(N - n), row + n));
   const __m512 shift = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), log2e);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t n = 0; n < Np; n += 2 * kTile) {
-    const __m512 e0 = _mm512_maskz_mov_ps(first_lanes(N - n), exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + n), log2e, shift)));
-    const __m512 e1 = _mm512_maskz_mov_ps(first_lanes(N - n - kTile),
-                                          exp2_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + n + kTile), log2e, shift)));
+    const __m512 e0 = exp_from(row, n, N, log2e, shift), e1 = exp_from(row, n + kTile, N, log2e, shift);
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
     _mm512_storeu_si512(out + n, narrow(e0, e1));
   }
@@ -165,7 +170,7 @@ VISATTN_AMX static inline void pack_kv(const AmxImage& a, int64_t b, int64_t kvh
     alignas(64) int32_t idx[kLanes];
     for (int l = 0; l < kLanes; ++l) idx[l] = static_cast<int32_t>(std::min<int64_t>(n0 + l, N - 1) * k_ld2);
     const __m512i at = _mm512_load_si512(idx);
-    const __mmask16 valid = n0 + kLanes <= N ? __mmask16(0xffff) : n0 >= N ? __mmask16(0) : __mmask16((1u << (N - n0)) - 1);
+    const __mmask16 valid = first_lanes(N - n0);
     for (int64_t c = 0; c < d2; ++c)
       _mm512_storeu_si512(s.kt.data() + c * Np + n0, _mm512_maskz_mov_epi32(valid, _mm512_i32gather_epi32(at, kw + c, 4)));
   }
@@ -221,7 +226,7 @@ VISATTN_AMX static inline void tile(const AmxImage& a, int64_t b, int64_t h, con
   }
   alignas(64) float inv[kTile];
   uint16_t* pb = reinterpret_cast<uint16_t*>(s.pb.data());
-  for (int r = 0; r < kTile; ++r) inv[r] = softmax_row(st + r * Np, N, Np, pb + r * Np);
+  for (int r = 0; r < kTile; ++r) inv[r] = exp_row_bf16(st + r * Np, N, Np, pb + r * Np);
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);

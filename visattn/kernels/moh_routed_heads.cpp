@@ -353,9 +353,9 @@ void heads_blas(const Heads<T>& p) {
 // `first_head` on, the chosen tokens' queries (their rows of q, plus q_bias) are gathered, attended against
 // the image's keys and values, and gated into the tokens' rows of z [T, H*d] (row stride z_ld); the rows of
 // tokens that did not choose the head are set to 0. z may be q itself: a pair's query is read before the
-// pair's output is written, and by no other pair. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d]; q_bias [H*d]
-// and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it). With `fused` (fused_attention_runs)
-// in AVX-512 registers (fused_attention.h), else through MKL's GEMMs.
+// pair's output is written, and by no other pair. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d];
+// q_bias [H*d] and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it). With `fused`
+// (fused_attention_runs) in AVX-512 registers (fused_attention.h), else through MKL's GEMMs.
 void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
                      const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
                      const float* v_bias, const bool* mask, const float* gates, float* z, int64_t z_ld, bool fused) {
@@ -630,9 +630,9 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // queries and outputs itself (heads_attention_blas): q [T, >= H*d] (unit column stride), q_bias [H*d] or
 // None, k/v [B, Hkv, N, d] (unit last stride), v_bias [Hkv*d] or None (v computed without it),
 // routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] (unit column stride; it may be q itself): its
-// columns of heads >= first_head are written (gated outputs, 0 where a pair is off). float32. With `fused` (the default) the attention
-// runs in fused_attention.h's AVX-512 loops where this CPU and head width allow (moh_fused_attention), else
-// through MKL's SGEMM (check moh_routed_blas); the tests run both.
+// columns of heads >= first_head are written (gated outputs, 0 where a pair is off). float32. With `fused`
+// (the default) the attention runs in fused_attention.h's AVX-512 loops where this CPU and head width allow
+// (moh_fused_attention), else through MKL's SGEMM (check moh_routed_blas); the tests run both.
 // The bfloat16 version of moh_routed_attention (amx_attention.h): q, k, v and z bf16, the biases and gates
 // float32, heads 64 wide on a CPU with AMX (moh_amx_attention), key and value rows 4-byte aligned.
 void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
