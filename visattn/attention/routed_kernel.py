@@ -63,7 +63,7 @@ from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op
 from .base import HeadAttention
 from .fused_gating import functorch_active
 from .head_gather import head_gather_forward
-from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, sparse_moh_forward
+from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, matmul_param, sparse_moh_forward
 
 MASKED_KERNEL_PATH = "masked_kernel_loops"
 DENSE_KERNEL_PATH = "routed_kernel_dense"
@@ -260,7 +260,8 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     if attn.router_columns and dtype == torch.float32:
         (q, k, v), logits = attn.linear_with_logits(x, [attn.qkv.weight], None, widths)
     else:
-        (q, k, v), logits = torch.nn.functional.linear(x, attn.qkv.weight.to(dtype)).split(widths, dim=-1), None
+        qkv = torch.nn.functional.linear(x, matmul_param(attn.qkv.weight, dtype))
+        (q, k, v), logits = qkv.split(widths, dim=-1), None
     q_b = k_b = v_b = None
     if attn.qkv.bias is not None:
         q_b, k_b, v_b = attn.qkv.bias.float().split(widths)
@@ -276,9 +277,10 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     # written): no [T, H*d] buffer to allocate and fault in, 3% of the layer in bf16 (12th session)
     z = q.reshape(T, attn.attn_dim)
     op(z, q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
-    bias = attn.proj.bias.to(dtype) if attn.proj.bias is not None else None
-    out = torch.nn.functional.linear(z, attn.proj.weight.to(dtype), bias)
+    bias = matmul_param(attn.proj.bias, dtype) if attn.proj.bias is not None else None
+    out = torch.nn.functional.linear(z, matmul_param(attn.proj.weight, dtype), bias)
     return attn.proj_drop(out.view(B, N, -1))
+
 
 
 def _routed_mask(selected: torch.Tensor, shared: int) -> torch.Tensor:

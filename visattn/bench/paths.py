@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from visattn.attention import build_attention, impl_choices
-from visattn.attention.sparse import compute_dtype
+from visattn.attention.sparse import compute_dtype, matmul_param
 from visattn.kernels import moh_routed_attention_op
 
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
@@ -53,14 +53,16 @@ class MHAOnKernelParts(torch.nn.Module):
         B, N, _ = x.shape
         T, H, d, Hkv = B * N, mha.num_heads, mha.head_dim, mha.num_kv_heads
         widths = [mha.attn_dim, mha.kv_dim, mha.kv_dim]
-        q, k, v = torch.nn.functional.linear(x.to(dtype).contiguous(), mha.qkv.weight.to(dtype)).split(widths, dim=-1)
+        q, k, v = torch.nn.functional.linear(x.to(dtype).contiguous(), matmul_param(mha.qkv.weight, dtype)).split(
+            widths, dim=-1
+        )
         q_b, _, v_b = mha.qkv.bias.float().split(widths) if mha.qkv.bias is not None else (None, None, None)
         k, v = (t.view(B, N, Hkv, d).transpose(1, 2) for t in (k, v))
         z = q.new_empty(T, H * d)
         no_routed = torch.zeros(0, T, dtype=torch.bool)
         op(q.reshape(T, -1), q_b, k, v, v_b, no_routed, torch.ones(T, H), H, 0, z)
-        bias = mha.proj.bias.to(dtype) if mha.proj.bias is not None else None
-        return torch.nn.functional.linear(z, mha.proj.weight.to(dtype), bias).view(B, N, -1)
+        bias = matmul_param(mha.proj.bias, dtype) if mha.proj.bias is not None else None
+        return torch.nn.functional.linear(z, matmul_param(mha.proj.weight, dtype), bias).view(B, N, -1)
 
 
 def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:
