@@ -282,7 +282,6 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     return attn.proj_drop(out.view(B, N, -1))
 
 
-
 def _routed_mask(selected: torch.Tensor, shared: int) -> torch.Tensor:
     """selected: [B, N, H] bool -> the routed heads' rows [H - shared, B * N], head-major, as the kernel
     reads them."""

@@ -53,9 +53,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def matmul_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight or bias for an ``F.linear`` in ``dtype`` (``compute_dtype``): as it is under autocast, which
     casts it itself and keeps the cast for the rest of the autocast region, as for ``nn.Linear`` (a
-    sampling loop casts each weight once); cast here otherwise. Cast here under autocast too, it cost
-    the bf16 ``routed_kernel_dense`` 1.4 + 0.35 ms a DiT-B/2 layer per call that ``mha`` did not pay
-    (12th session)."""
+    sampling loop casts each weight once); cast here otherwise. Cast here on every call under autocast
+    too, qkv's and proj's weights had cost the bf16 ``routed_kernel_dense`` 1.4 + 0.35 ms a DiT-B/2 layer
+    that ``mha`` did not pay (12th session)."""
     return p if torch.is_autocast_enabled(p.device.type) else p.to(dtype)
 
 
