@@ -32,7 +32,7 @@ def _moh(dim=48, heads=8, shared=2, topk=3, seed=0, impl="dense", **kwargs):
 def _counted(monkeypatch, op):
     """Record the kernels' calls (where visattn.kernels would hand them out): "heads" for ``op``,
     "attention" for the attention op (routed_kernel_dense's, and routed_kernel's shared heads where the
-    fused attention runs)."""
+    fused attention runs), "proj" for the grouped output projection (routed_kernel_grouped's in bf16)."""
     calls = []
     real = kernels.moh_routed_heads_op
     monkeypatch.setattr(routed_kernel, "moh_routed_heads_op",
@@ -44,12 +44,19 @@ def _counted(monkeypatch, op):
         return attention and (lambda *a: calls.append("attention") or attention(*a))
 
     monkeypatch.setattr(routed_kernel, "moh_routed_attention_op", counted_attention)
+    real_proj = kernels.moh_routed_proj_op
+
+    def counted_proj(dtype, head_dim):
+        proj = real_proj(dtype, head_dim)
+        return proj and (lambda *a: calls.append("proj") or proj(*a))
+
+    monkeypatch.setattr(routed_kernel, "moh_routed_proj_op", counted_proj)
     return calls
 
 
 def _kernel_calls(path: str, m, x: torch.Tensor) -> list[str]:
     """The kernel calls ``PATHS[path](m, x)`` makes in float32 inference where the kernels run."""
-    if path == "routed_kernel_dense":
+    if path in ("routed_kernel_dense", "routed_kernel_grouped"):  # float32: no grouped projection
         return ["attention"]
     group = m.num_heads // m.num_kv_heads
     shared = m.router.shared_heads
@@ -72,7 +79,8 @@ LAYERS = [  # (heads, shared, topk, kwargs)
 
 
 HEAD_CHOICE = [(8, 2, 3, {"routing": "head_choice"}), (5, 1, 2, {"routing": "head_choice", "qkv_bias": True})]
-KERNEL_PATHS = ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops", "routed_kernel_dense"]
+KERNEL_PATHS = ["routed_kernel", "routed_kernel_loops", "masked_kernel_loops", "routed_kernel_dense",
+                "routed_kernel_grouped"]
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
@@ -331,6 +339,79 @@ def test_the_bfloat16_attention_op_at_the_edges_of_its_softmax(kernel):
     assert z[N:].isnan().all() and z[:N].isfinite().all()
 
 
+# (groups' sizes) -> blocks of 32 rows with tails of 1, 16, 17 and 31; a token no routed head chose
+GROUP_SIZES = [(1, 16, 17, 33, 63, 0), (70,)]
+
+
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+@pytest.mark.parametrize("S", [0, 2])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_grouped_projection_op_against_the_formula(kernel, sizes, S, weight_dtype, bias):
+    """moh_routed_proj on hand-made groups (tokens that chose the same routed heads; sizes that leave
+    every tail of a 32-row block; a group of no routed head) against z @ W^T + b with the pairs that are
+    off set to 0: their values in z are NaN, so reading one would show. A float32 weight is rounded to bf16
+    (as autocast's cast) and gives the bf16 weight's result exactly; 2 threads give 1 thread's."""
+    _amx_or_skip()
+    torch.manual_seed(5)
+    H, d, Co = S + 4, 64, 96  # 96 outputs: three blocks of 32 columns
+    E = H - S
+    choices = [torch.rand(E) < 0.5 for _ in sizes]
+    choices[-1][:] = False  # the last group: no routed head
+    mask = torch.cat([c.view(E, 1).expand(E, n) for c, n in zip(choices, sizes, strict=True)], dim=1)
+    T = mask.shape[1]
+    order = torch.randperm(T)  # the groups' tokens interleaved
+    mask = mask[:, order].contiguous()
+    rows = torch.randn(T, H * d + 32).to(torch.bfloat16)  # z in wider rows, as over the queries
+    z = rows[:, : H * d]
+    on = torch.cat([torch.ones(S, T, dtype=torch.bool), mask]).t()  # [T, H]
+    z.view(T, H, d)[~on] = float("nan")
+    weight = (torch.randn(Co, H * d) / (H * d) ** 0.5).to(weight_dtype)
+    b = torch.randn(Co) if bias else None
+    expected = torch.where(on.repeat_interleave(d, dim=1), z.float(), 0.0) @ weight.bfloat16().float().t()
+    expected = expected + (b if bias else 0)
+    op = kernels.moh_routed_proj_op(torch.bfloat16, d)
+    out = op(z, mask, S, weight, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, Co)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    assert torch.equal(out, op(z, mask, S, weight.bfloat16(), b))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(out, op(z, mask, S, weight, b))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_grouped_projection_op_refuses_what_it_cannot_serve(kernel):
+    _amx_or_skip()
+    op = kernels.moh_routed_proj_op(torch.bfloat16, 64)
+    z, mask = torch.zeros(5, 4 * 64, dtype=torch.bfloat16), torch.zeros(3, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(z, mask, 1, torch.zeros(48, 4 * 64), None)
+    with pytest.raises(RuntimeError, match="heads 64 wide"):
+        op(z, torch.zeros(7, 5, dtype=torch.bool), 1, torch.zeros(64, 4 * 64), None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(z.float(), mask, 1, torch.zeros(64, 4 * 64), None)
+    assert kernels.moh_routed_proj_op(torch.float32, 64) is None and kernels.moh_routed_proj_op(torch.bfloat16, 32) is None
+
+
+def test_routed_kernel_grouped_is_routed_kernel_dense_where_its_projection_cannot_run(kernel, monkeypatch):
+    """Float32, or output rows not a multiple of 32 wide: the grouped path is routed_kernel_dense, and
+    auto does not time it twice (kernel_path_runs says no)."""
+    m = _moh(dim=256, heads=4, shared=1, topk=2)
+    x = torch.randn(2, 9, 256)
+    calls = _counted(monkeypatch, kernel)
+    with torch.no_grad():
+        assert torch.equal(PATHS["routed_kernel_grouped"](m, x), PATHS["routed_kernel_dense"](m, x))
+        assert not routed_kernel.kernel_path_runs(m, x, "routed_kernel_grouped")
+        odd = _moh(dim=256, heads=4, shared=1, topk=2, dim_out=72)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not routed_kernel.kernel_path_runs(odd, x, "routed_kernel_grouped")
+            assert torch.equal(PATHS["routed_kernel_grouped"](odd, x), PATHS["routed_kernel_dense"](odd, x))
+    assert "proj" not in calls
+
+
 def test_amx_attention_runs_where_the_cpu_has_amx_bf16():
     if kernels.moh_routing_op() is None:
         pytest.skip("no C++ toolchain: no kernels")
@@ -358,12 +439,13 @@ def test_routed_kernel_dense_leaves_the_weights_casts_to_autocast(kernel):
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("path", ["routed_kernel_dense", "routed_kernel_grouped"])
 @pytest.mark.parametrize("bf16_model", [False, True])  # autocast over a float32 model, or a bf16 model
 @pytest.mark.parametrize("kwargs", [{"qkv_bias": True}, {"qkv_bias": True, "num_kv_heads": 2},
-                                    {"routing": "head_choice"}])
-def test_routed_kernel_dense_in_bfloat16_matches_the_masked_dense_path(kernel, monkeypatch, kwargs, bf16_model):
-    """routed_kernel_dense in bf16 (AMX attention) against the float32 masked dense path, as close as the
-    bf16 masked dense path is."""
+                                    {"routing": "head_choice"}, {"proj_bias": False}])
+def test_the_amx_paths_in_bfloat16_match_the_masked_dense_path(kernel, monkeypatch, kwargs, bf16_model, path):
+    """routed_kernel_dense in bf16 (AMX attention) and routed_kernel_grouped (and the grouped output
+    projection) against the float32 masked dense path, as close as the bf16 masked dense path is."""
     _amx_or_skip()
     m = _moh(dim=256, heads=4, shared=1, topk=2, **kwargs)
     m_scale = 0.1  # _moh's router noise would make the layer's logits large for bf16
@@ -376,11 +458,12 @@ def test_routed_kernel_dense_in_bfloat16_matches_the_masked_dense_path(kernel, m
         ref = m.dense_forward(x)
         if bf16_model:
             half = m.to(torch.bfloat16)
-            out, masked = PATHS["routed_kernel_dense"](half, x.bfloat16()), half.dense_forward(x.bfloat16())
+            out, masked = PATHS[path](half, x.bfloat16()), half.dense_forward(x.bfloat16())
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out, masked = PATHS["routed_kernel_dense"](m, x), m.dense_forward(x)
-    assert calls == ["attention"] and out.dtype == torch.bfloat16
+                out, masked = PATHS[path](m, x), m.dense_forward(x)
+    assert calls == (["attention", "proj"] if path == "routed_kernel_grouped" else ["attention"])
+    assert out.dtype == torch.bfloat16
     scale = ref.abs().max().item()
     bf16_error = (masked.float() - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * bf16_error + 1e-3 * scale

@@ -16,7 +16,10 @@ Paths (all equal to the masked dense one up to float rounding):
 - ``masked_kernel_loops``: the masked dense computation in that kernel (the attention of every pair,
   unselected ones zeroed by their gates; float32); ``masked_dense`` where the kernel cannot run;
 - ``routed_kernel_dense``: ``dense_projections`` with the selected pairs' attention in the kernel
-  through MKL (float32); ``dense_projections`` where it cannot run;
+  (float32; bfloat16 on AMX tiles); ``dense_projections`` where it cannot run;
+- ``routed_kernel_grouped``: ``routed_kernel_dense`` with the output projection of the selected pairs
+  alone (bfloat16 on AMX tiles; the tokens grouped by the routed heads they chose); elsewhere it is
+  ``routed_kernel_dense``;
 - ``head_gather`` / ``head_gather_dense_out``: head choice's static-shape path, gathered queries in
   batched matmuls (``visattn.attention.head_gather``).
 
@@ -40,6 +43,7 @@ from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
 from .routed_kernel import (
     DENSE_KERNEL_PATH,
+    GROUPED_KERNEL_PATH,
     KERNEL_PATHS,
     MASKED_KERNEL_PATH,
     kernel_path_runs,
@@ -66,6 +70,7 @@ PATHS: dict[str, Callable[[HeadAttention, torch.Tensor], torch.Tensor]] = {
     "routed_kernel_loops": lambda attn, x: routed_kernel_forward(attn, x, loops=True),
     MASKED_KERNEL_PATH: lambda attn, x: routed_kernel_forward(attn, x, loops=True, every_head=True),
     DENSE_KERNEL_PATH: routed_dense_forward,
+    GROUPED_KERNEL_PATH: lambda attn, x: routed_dense_forward(attn, x, grouped=True),
     "head_gather": lambda attn, x: head_gather_forward(attn, x, output="rows"),
     "head_gather_dense_out": lambda attn, x: head_gather_forward(attn, x, output="dense"),
 }

@@ -25,6 +25,11 @@ the image's output rows), so the output stays in cache and nothing is padded.
   It computes the projections of the pairs that are off too, yet where most routed pairs are on it ran
   faster than ``routed_kernel``'s per-head GEMMs and gathers (whose narrow 64-column GEMMs ran at half
   the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
+- ``routed_kernel_grouped`` (bfloat16 on AMX): ``routed_kernel_dense`` with an output projection of the
+  chosen pairs alone (``visattn/kernels/amx_projection.h``): the tokens that chose the same routed heads
+  form a group, and each group's rows multiply only its heads' columns of W_O, on tiles. At DiT-B/2 with 6
+  of 12 heads it took 0.6-0.7x the dense output matmul's time, at 10 of 12 1.03x (13th session), so
+  ``auto`` times it beside ``routed_kernel_dense``. Elsewhere it is ``routed_kernel_dense``.
 - ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
   every pair, unselected pairs zeroed by their gates. Until the projections became whole-tensor matmuls
   (9th session) it was the faster of the two where most routed heads are on; since then
@@ -58,7 +63,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op
+from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op, moh_routed_proj_op
 
 from .base import HeadAttention
 from .fused_gating import functorch_active
@@ -67,7 +72,8 @@ from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, matmul_par
 
 MASKED_KERNEL_PATH = "masked_kernel_loops"
 DENSE_KERNEL_PATH = "routed_kernel_dense"
-KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH, DENSE_KERNEL_PATH)
+GROUPED_KERNEL_PATH = "routed_kernel_grouped"
+KERNEL_PATHS = ("routed_kernel", "routed_kernel_loops", MASKED_KERNEL_PATH, DENSE_KERNEL_PATH, GROUPED_KERNEL_PATH)
 # impl="sparse" takes routed_kernel_loops up to this many query weights per head (dim x head width):
 # the study's layers (96 x 12, 64 x 8) ran faster on the loops, ViT-S (384 x 64) and DiT-B (768 x 64)
 # on MKL (docs/benchmarks.md). impl="auto" measures instead.
@@ -92,7 +98,7 @@ def routed_kernel_supported(attn: HeadAttention) -> str | None:
 
 def uses_loops(path: str) -> bool:
     """Whether kernel path ``path`` runs the kernel's own loops (float32, with a backward)."""
-    return path not in ("routed_kernel", DENSE_KERNEL_PATH)
+    return path not in ("routed_kernel", DENSE_KERNEL_PATH, GROUPED_KERNEL_PATH)
 
 
 def preferred_kernel_path(attn: HeadAttention) -> str:
@@ -113,10 +119,19 @@ def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bo
 def kernel_path_runs(attn: HeadAttention, x: torch.Tensor, path: str) -> bool:
     """Whether kernel path ``path`` runs its kernel for x (else its PyTorch equivalent), outside dispatch
     modes."""
+    if path == GROUPED_KERNEL_PATH:
+        return kernel_path_runs(attn, x, DENSE_KERNEL_PATH) and grouped_projection_runs(attn, compute_dtype(x))
     if path == DENSE_KERNEL_PATH:
         return (_cpu_eager(attn, x, backward=False)
                 and moh_routed_attention_op(compute_dtype(x), attn.head_dim) is not None)
     return kernel_runs(attn, x, uses_loops(path))
+
+
+def grouped_projection_runs(attn: HeadAttention, dtype: torch.dtype) -> bool:
+    """Whether ``moh_routed_proj`` can take ``attn``'s output projection in ``dtype`` here: bfloat16 on AMX
+    tiles, heads 64 wide, outputs a multiple of 32 wide, at most 64 routed heads."""
+    return (moh_routed_proj_op(dtype, attn.head_dim) is not None and attn.proj.out_features % 32 == 0
+            and attn.num_heads - attn.router.shared_heads <= 64)
 
 
 def _cpu_eager(attn: HeadAttention, x: torch.Tensor, backward: bool) -> bool:
@@ -240,11 +255,14 @@ def _bias_after_matmul(attn: HeadAttention, x: torch.Tensor) -> bool:
     return not needs_grad(attn, x) and isinstance(attn.k_norm, torch.nn.Identity)
 
 
-def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
+def routed_dense_forward(attn: HeadAttention, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
     """x: [B, N, C] -> [B, N, dim_out], the output of ``attn.forward(x)`` (no mask, not causal) through
     ``routed_kernel_dense``: one matmul for every head's queries, keys and values (and in float32 the
     router's logits), the chosen pairs' attention in the kernel (bfloat16: on AMX tiles), one output
-    matmul. Call only when ``routed_kernel_supported(attn)`` is None."""
+    matmul. With ``grouped`` (``routed_kernel_grouped``), where ``grouped_projection_runs``, the output
+    projection multiplies the chosen pairs alone instead (``moh_routed_proj``: the tokens grouped by the
+    routed heads they chose, each group by its heads' columns of W_O); elsewhere it is
+    ``routed_kernel_dense``. Call only when ``routed_kernel_supported(attn)`` is None."""
     dtype = compute_dtype(x)
     op = moh_routed_attention_op(dtype, attn.head_dim)
     if op is None or not kernel_path_runs(attn, x, DENSE_KERNEL_PATH) or _get_current_dispatch_mode() is not None:
@@ -277,9 +295,25 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     # written): no [T, H*d] buffer to allocate and fault in, 3% of the layer in bf16 (12th session)
     z = q.reshape(T, attn.attn_dim)
     op(z, q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
+    if grouped and grouped_projection_runs(attn, dtype):
+        return attn.proj_drop(_grouped_projection(attn, z, routed_mask, dtype).view(B, N, -1))
     bias = matmul_param(attn.proj.bias, dtype) if attn.proj.bias is not None else None
     out = torch.nn.functional.linear(z, matmul_param(attn.proj.weight, dtype), bias)
     return attn.proj_drop(out.view(B, N, -1))
+
+
+def _grouped_projection(attn: HeadAttention, z: torch.Tensor, routed_mask: torch.Tensor, dtype: torch.dtype
+                        ) -> torch.Tensor:
+    """z: [T, H*d] the heads' gated outputs (its pairs that are off are not read), routed_mask [E, T] ->
+    [T, dim_out]: ``attn.proj`` of the chosen pairs in ``moh_routed_proj``. A float32 weight is rounded to
+    bf16 as the kernel packs it (as autocast's cast rounds it, without a copy per call); the bias is
+    rounded to bf16 too, as F.linear's under autocast."""
+    weight, bias = attn.proj.weight, attn.proj.bias
+    if weight.dtype not in (torch.float32, dtype):
+        weight = weight.to(dtype)
+    bias = bias.to(dtype).float() if bias is not None else None
+    op = moh_routed_proj_op(dtype, attn.head_dim)
+    return op(z, routed_mask, attn.router.shared_heads, weight.contiguous(), bias)
 
 
 def _routed_mask(selected: torch.Tensor, shared: int) -> torch.Tensor:

@@ -15,6 +15,8 @@
   (``torch.ops.visattn.moh_fused_attention(head_dim)`` says where).
 - ``moh_routed_attention_op(dtype, head_dim)``: the chosen pairs' attention alone, for
   ``routed_kernel_dense``: float32, and bfloat16 on AMX tiles (``amx_attention.h``).
+- ``moh_routed_proj_op(dtype, head_dim)``: the chosen pairs' output projection alone, bfloat16 on AMX
+  tiles (``amx_projection.h``), for ``routed_kernel_grouped``.
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -44,7 +46,9 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
 HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("amx_attention.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h", "softmax.h")
+    for name in (
+        "amx_attention.h", "amx_projection.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h", "softmax.h"
+    )
 ]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
 # conversions) without giving up IEEE results: NaN still propagates, unlike -ffast-math. -fopenmp makes
@@ -116,6 +120,16 @@ def moh_routed_attention_op(dtype: torch.dtype, head_dim: int | None = None) -> 
     if dtype == torch.bfloat16 and head_dim is not None and torch.ops.visattn.moh_amx_attention(head_dim):
         return torch.ops.visattn.moh_routed_attention
     return None
+
+
+def moh_routed_proj_op(dtype: torch.dtype, head_dim: int) -> Callable | None:
+    """``torch.ops.visattn.moh_routed_proj`` (the output projection of the chosen pairs alone, on AMX tiles,
+    ``amx_projection.h``) where it runs ``dtype`` inputs: bfloat16, heads ``head_dim`` wide, where
+    ``moh_amx_attention`` says the tiles run; else None (as ``moh_routing_op``)."""
+    if _OFF.get() or not _load():
+        return None
+    ok = dtype == torch.bfloat16 and torch.ops.visattn.moh_amx_attention(head_dim)
+    return torch.ops.visattn.moh_routed_proj if ok else None
 
 
 def has_sgemm() -> bool:
