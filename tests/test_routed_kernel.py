@@ -41,7 +41,7 @@ def _counted(monkeypatch, op):
 
     def counted_attention(dtype, head_dim=None):
         attention = real_attention(dtype, head_dim)
-        return attention and (lambda *a: calls.append("attention") or attention(*a))
+        return attention and (lambda *a, **kw: calls.append("attention") or attention(*a, **kw))
 
     monkeypatch.setattr(routed_kernel, "moh_routed_attention_op", counted_attention)
     real_proj = kernels.moh_routed_proj_op
@@ -303,6 +303,10 @@ def test_the_attention_op_in_bfloat16_against_the_formula(kernel, N):
                                    atol=1e-2 * scale)
         assert z[:, : first_head * d].isnan().all()
     assert (z.view(T, H, d)[:, 2] == 0).all()  # routed head 1 (head 2): chosen by no token
+    # without zero_off (routed_kernel_grouped, which reads no pair that is off) those pairs keep their values
+    kept = torch.full((T, H * d), float("nan"), dtype=torch.bfloat16)
+    op(q, q_bias, k, v, v_bias, mask, gates, S, 0, kept, zero_off=False)
+    assert kept.view(T, H, d)[~on].isnan().all() and torch.equal(kept.view(T, H, d)[on], z.view(T, H, d)[on])
     # z over the queries themselves, in their strided rows (as routed_kernel_dense calls it): the same outputs
     rows2 = rows.clone()
     q2, k2, v2, _ = rows2.split([H * d, Hkv * d, Hkv * d, 16], dim=-1)

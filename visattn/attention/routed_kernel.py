@@ -294,8 +294,10 @@ def routed_dense_forward(attn: HeadAttention, x: torch.Tensor, grouped: bool = F
     # every head's gated output, written over the queries (each pair's query is read before its output is
     # written): no [T, H*d] buffer to allocate and fault in, 3% of the layer in bf16 (12th session)
     z = q.reshape(T, attn.attn_dim)
-    op(z, q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z)
-    if grouped and grouped_projection_runs(attn, dtype):
+    grouped = grouped and grouped_projection_runs(attn, dtype)
+    # the grouped projection reads no pair that is off: no zeros to write there
+    op(z, q_b, k, v, v_b, routed_mask, gates.reshape(T, H).float(), shared, 0, z, zero_off=not grouped)
+    if grouped:
         return attn.proj_drop(_grouped_projection(attn, z, routed_mask, dtype).view(B, N, -1))
     bias = matmul_param(attn.proj.bias, dtype) if attn.proj.bias is not None else None
     out = torch.nn.functional.linear(z, matmul_param(attn.proj.weight, dtype), bias)

@@ -58,8 +58,9 @@ inline bool amx_attention_runs(int64_t d) {
 // One image: every head from first_head on, its chosen tokens (mask as moh_routed_attention's), queries
 // q + (b * N + n) * q_ld + h * d (bf16, to which q_bias, float32, is added), keys and values [N, d] per
 // key/value head (bf16, row strides k_ld / v_ld, even), gates float32 [T, H], the values' float32 bias
-// v_bias where v came without it; outputs bf16 into z [T, H * d] (row stride z_ld; 0 where a pair is off).
-// z may be q itself: a pair's query is read before the pair's output is written, and by no other pair.
+// v_bias where v came without it; outputs bf16 into z [T, H * d] (row stride z_ld; 0 where a pair is off,
+// or left as it was without zero_off). z may be q itself: a pair's query is read before the pair's output is
+// written, and by no other pair.
 struct AmxImage {
   int64_t B, N, H, Hkv, d, S, first_head, q_ld;
   const uint16_t* q;
@@ -70,6 +71,7 @@ struct AmxImage {
   const bool* mask;
   uint16_t* z;
   int64_t z_ld;
+  bool zero_off;
 };
 
 // The first 64-byte aligned address from p on.
@@ -338,7 +340,7 @@ VISATTN_AMX static inline void image(const AmxImage& a, int64_t b, AmxScratch& s
       prefetch_next(a, b, h, s.rows.data(), m, t, tiles);
       tile(a, b, h, s.rows.data() + t * kTile, static_cast<int>(std::min<int64_t>(kTile, m - t * kTile)), Np, s);
     }
-    if (chosen)
+    if (chosen && a.zero_off)
       for (int64_t n = 0; n < N; ++n)
         if (!chosen[n]) std::memset(a.z + (b * N + n) * a.z_ld + h * d, 0, d * sizeof(uint16_t));
   }

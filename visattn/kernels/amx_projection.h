@@ -104,17 +104,41 @@ VISATTN_AMX VISATTN_INLINE __m512i pairs_of(const float* row) {
 // the tiles of columns 32c .. 32c+15 and 32c+16 .. 32c+31; in a tile, int32 16 * i + j holds
 // w[col + j, 32s + 2i] and w[col + j, 32s + 2i + 1] (pairs of K, as AMX wants them). A head's steps for 32
 // columns are one run of 4 KB; a float32 w is rounded here, so no bf16 copy of it is made first.
+// The 16 x 16 int32 matrix r (row j in r[j]) transposed in place: pairs within 128-bit lanes, then pairs of
+// pairs, then the lanes themselves.
+VISATTN_AMX VISATTN_INLINE void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int j = 0; j < 16; j += 2) {
+    t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // u[g + m], lane L: rows g .. g+3 of column 4L + m
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512i even = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), odd = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);
+    const __m512i even2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+    const __m512i odd2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
+    r[m] = _mm512_shuffle_i32x4(even, even2, 0x88);
+    r[8 + m] = _mm512_shuffle_i32x4(even, even2, 0xdd);
+    r[4 + m] = _mm512_shuffle_i32x4(odd, odd2, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(odd, odd2, 0xdd);
+  }
+}
+
 template <typename T>
 VISATTN_AMX static inline void pack_pairs(const T* w, int64_t Co, int64_t K, int32_t* wp) {
-  alignas(64) int32_t column[16];
-  for (int i = 0; i < 16; ++i) column[i] = 16 * i;
-  const __m512i at = _mm512_load_si512(column);
   for (int64_t c = 0; c < Co / 32; ++c)
     for (int64_t s = 0; s < K / 32; ++s)
       for (int64_t half = 0; half < 2; ++half) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; ++j) r[j] = pairs_of(w + (32 * c + 16 * half + j) * K + 32 * s);
+        transpose16(r);
         int32_t* tile = wp + ((c * (K / 32) + s) * 2 + half) * 256;
-        for (int64_t j = 0; j < 16; ++j)
-          _mm512_i32scatter_epi32(tile + j, at, pairs_of(w + (32 * c + 16 * half + j) * K + 32 * s), 4);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(tile + 16 * i, r[i]);
       }
 }
 

@@ -633,12 +633,14 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] (unit column stride; it may be q itself): its
 // columns of heads >= first_head are written (gated outputs, 0 where a pair is off). float32. With `fused`
 // (the default) the attention runs in fused_attention.h's AVX-512 loops where this CPU and head width allow
-// (moh_fused_attention), else through MKL's SGEMM (check moh_routed_blas); the tests run both.
+// (moh_fused_attention), else through MKL's SGEMM (check moh_routed_blas); the tests run both. Without
+// `zero_off` the bfloat16 version leaves the pairs that are off as they were, for a caller that does not
+// read them (routed_kernel_grouped); float32 writes their 0 regardless.
 // The bfloat16 version of moh_routed_attention (amx_attention.h): q, k, v and z bf16, the biases and gates
 // float32, heads 64 wide on a CPU with AMX (moh_amx_attention), key and value rows 4-byte aligned.
 void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
                           const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
-                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor& z) {
+                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor& z, bool zero_off) {
   const int64_t B = k.size(0), Hkv = k.size(1), N = k.size(2), d = k.size(3), H = gates.size(1);
   for (const at::Tensor& t : {k, v, z})
     TORCH_CHECK(t.scalar_type() == at::kBFloat16, "moh_routed_attention: q, k, v and z all bfloat16 (or float32)");
@@ -655,7 +657,8 @@ void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& 
                             q_bias.has_value() ? q_bias->data_ptr<float>() : nullptr,
                             reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
                             ks, vs, v_bias.has_value() ? v_bias->data_ptr<float>() : nullptr, gates.data_ptr<float>(),
-                            routed_mask.data_ptr<bool>(), reinterpret_cast<uint16_t*>(z.data_ptr()), z.stride(0)};
+                            routed_mask.data_ptr<bool>(), reinterpret_cast<uint16_t*>(z.data_ptr()), z.stride(0),
+                            zero_off};
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     visattn::AmxScratch scratch;
     visattn::amx_attend_images(a, b0, b1, scratch);
@@ -664,7 +667,8 @@ void routed_attention_amx(const at::Tensor& q, const c10::optional<at::Tensor>& 
 
 void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_bias, const at::Tensor& k,
                           const at::Tensor& v, const c10::optional<at::Tensor>& v_bias, const at::Tensor& routed_mask,
-                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z, bool fused) {
+                          const at::Tensor& gates, int64_t S, int64_t first_head, at::Tensor z, bool fused,
+                          bool zero_off) {
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   for (const at::Tensor& t : {q, k, v, z})
     TORCH_CHECK(t.scalar_type() == (bf16 ? at::kBFloat16 : at::kFloat),
@@ -687,7 +691,7 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
   TORCH_CHECK(!q_bias.has_value() || q_bias->numel() == H * d, "moh_routed_attention: q_bias [H*d]");
   TORCH_CHECK(!v_bias.has_value() || v_bias->numel() == Hkv * d, "moh_routed_attention: v_bias [Hkv*d]");
   if (T == 0) return;
-  if (bf16) return routed_attention_amx(q, q_bias, k, v, v_bias, routed_mask, gates, S, first_head, z);
+  if (bf16) return routed_attention_amx(q, q_bias, k, v, v_bias, routed_mask, gates, S, first_head, z, zero_off);
   // the gathered queries' offsets are 32-bit
   fused = fused && visattn::fused_attention_runs(d) && N * q.stride(0) <= std::numeric_limits<int32_t>::max();
   heads_attention(B, N, H, Hkv, d, S, first_head, q.data_ptr<float>(), q.stride(0),
@@ -802,7 +806,7 @@ TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("moh_routed_heads_backward(Tensor grad_out, Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, "
         "Tensor v, Tensor routed_mask, Tensor gates, int S) -> Tensor[]");
   m.def("moh_routed_attention(Tensor q, Tensor? q_bias, Tensor k, Tensor v, Tensor? v_bias, Tensor routed_mask, "
-        "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True) -> ()");
+        "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True, bool zero_off=True) -> ()");
   m.def("moh_routed_proj(Tensor z, Tensor routed_mask, int S, Tensor weight, Tensor? bias) -> Tensor");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
   m.def("moh_fused_attention(int head_dim) -> bool", &moh_fused_attention);
