@@ -353,14 +353,16 @@ GROUP_SIZES = [(1, 16, 17, 33, 63, 0), (70,)]
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_grouped_projection_op_against_the_formula(kernel, sizes, S, weight_dtype, bias):
     """moh_routed_proj on hand-made groups (tokens that chose the same routed heads; sizes that leave
-    every tail of a 32-row block; a group of no routed head) against z @ W^T + b with the pairs that are
-    off set to 0: their values in z are NaN, so reading one would show. A float32 weight is rounded to bf16
-    (as autocast's cast) and gives the bf16 weight's result exactly; 2 threads give 1 thread's."""
+    every tail of a 32-row block; most groups with more than 12 steps of 32 along K, so in two chunks; a
+    group of no routed head, with S=0 of no head at all: its rows are the bias) against z @ W^T + b with the
+    pairs that are off set to 0: their values in z are NaN, so reading one would show. A float32 weight is
+    rounded to bf16 (as autocast's cast) and gives the bf16 weight's result exactly; 2 threads give 1
+    thread's."""
     _amx_or_skip()
     torch.manual_seed(5)
-    H, d, Co = S + 4, 64, 96  # 96 outputs: three blocks of 32 columns
+    H, d, Co = S + 8, 64, 96  # 96 outputs: three blocks of 32 columns
     E = H - S
-    choices = [torch.rand(E) < 0.5 for _ in sizes]
+    choices = [torch.rand(E) < 0.8 for _ in sizes]
     choices[-1][:] = False  # the last group: no routed head
     mask = torch.cat([c.view(E, 1).expand(E, n) for c, n in zip(choices, sizes, strict=True)], dim=1)
     T = mask.shape[1]

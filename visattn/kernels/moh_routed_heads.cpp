@@ -703,21 +703,22 @@ void moh_routed_attention(const at::Tensor& q, const c10::optional<at::Tensor>& 
 // The output projection of the chosen pairs (amx_projection.h): z [T, H*d] bf16 (unit column stride; its
 // pairs that are off are not read), routed_mask [H - S, T] bool, weight [Co, H*d] bf16 or float32 (rounded
 // to bf16 as it is packed: no bf16 copy per call), bias [Co] float32 or None -> [T, Co] bf16, equal to
-// z @ weight^T + bias with those pairs 0. Heads 64 wide on a CPU with AMX
-// (moh_amx_attention), Co a multiple of 32, at most 64 routed heads.
+// z @ weight^T + bias with those pairs 0. Heads 64 wide on a CPU with AMX (moh_amx_attention), Co a multiple
+// of 32, at most 64 routed heads.
 at::Tensor moh_routed_proj(const at::Tensor& z, const at::Tensor& routed_mask, int64_t S, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(z.scalar_type() == at::kBFloat16 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
-              "moh_routed_proj: z bfloat16, weight bfloat16 or float32 (rounded to bfloat16)");
   TORCH_CHECK(routed_mask.scalar_type() == at::kBool && routed_mask.dim() == 2 && routed_mask.is_contiguous(),
               "moh_routed_proj: routed_mask [H - S, T] bool, contiguous");
   const int64_t E = routed_mask.size(0), H = S + E, T = routed_mask.size(1), Co = weight.size(0);
   TORCH_CHECK(S >= 0 && H > 0 && E <= 64, "moh_routed_proj: at most 64 routed heads (", E, " here)");
-  TORCH_CHECK(z.dim() == 2 && z.size(0) == T && z.stride(1) == 1 && z.size(1) % H == 0,
-              "moh_routed_proj: z [T, H*d], unit column stride");
+  TORCH_CHECK(z.scalar_type() == at::kBFloat16 && z.dim() == 2 && z.size(0) == T && z.stride(1) == 1 &&
+                  z.size(1) % H == 0,
+              "moh_routed_proj: z [T, H*d] bfloat16, unit column stride");
   const int64_t d = z.size(1) / H;
   TORCH_CHECK(visattn::amx_attention_runs(d), "moh_routed_proj: needs AMX and heads 64 wide (", d,
               " here; check moh_amx_attention)");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
+              "moh_routed_proj: weight bfloat16 or float32 (rounded to bfloat16)");
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H * d && weight.is_contiguous() && Co % 32 == 0,
               "moh_routed_proj: weight [Co, H*d] contiguous, Co a multiple of 32 (", Co, " here)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == Co),
@@ -726,16 +727,14 @@ at::Tensor moh_routed_proj(const at::Tensor& z, const at::Tensor& routed_mask, i
   if (T == 0) return out;
   visattn::AlignedBuffer<int32_t> packed;
   packed.resize(H * d / 2 * Co);
-  int32_t* wp = packed.data();
   if (weight.scalar_type() == at::kFloat)
-    visattn::amx_pack_weight(weight.data_ptr<float>(), Co, H * d, wp);
+    visattn::amx_pack_weight(weight.data_ptr<float>(), Co, H * d, packed.data());
   else
-    visattn::amx_pack_weight(reinterpret_cast<const uint16_t*>(weight.data_ptr()), Co, H * d, wp);
-  const visattn::AmxProjection p{T, H, d, S, Co, reinterpret_cast<const uint16_t*>(z.data_ptr()), z.stride(0),
-                                 routed_mask.data_ptr<bool>(), wp,
-                                 bias.has_value() ? bias->data_ptr<float>() : nullptr,
+    visattn::amx_pack_weight(reinterpret_cast<const uint16_t*>(weight.data_ptr()), Co, H * d, packed.data());
+  const visattn::AmxProjection p{H, d, Co, reinterpret_cast<const uint16_t*>(z.data_ptr()), z.stride(0),
+                                 packed.data(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                  reinterpret_cast<uint16_t*>(out.data_ptr()), Co};
-  const visattn::ProjectionGroups groups = visattn::projection_groups(p);
+  const visattn::HeadGroups groups = visattn::head_groups(routed_mask.data_ptr<bool>(), T, H, S);
   const auto& blocks = groups.blocks;
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
     visattn::amx_project_blocks(p, blocks.data(), b0, b1);
