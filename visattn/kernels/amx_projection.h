@@ -127,13 +127,14 @@ VISATTN_AMX VISATTN_INLINE void transpose16(__m512i r[16]) {
 }
 
 // w [Co, K] (bf16 or float32; K and Co multiples of 32, contiguous) -> wp: the AMX B operands of x @ w^T,
-// 1 KB tiles in the order the blocks read them: for each 32 of Co (c) and 32 of K (step s), the tiles of
+// 1 KB tiles in the order the blocks read them (here those of c0 <= c < c1, so that threads share the work):
+// for each 32 of Co (c) and 32 of K (step s), the tiles of
 // columns 32c .. 32c+15 and 32c+16 .. 32c+31; in a tile, int32 16 * i + j holds w[col + j, 32s + 2i] and
 // w[col + j, 32s + 2i + 1] (pairs of K, as AMX wants them). A head's steps for 32 columns are one run of
 // 4 KB; a float32 w is rounded here, so no bf16 copy of it is made first.
 template <typename T>
-VISATTN_AMX static inline void pack_pairs(const T* w, int64_t Co, int64_t K, int32_t* wp) {
-  for (int64_t c = 0; c < Co / 32; ++c)
+VISATTN_AMX static inline void pack_pairs(const T* w, int64_t K, int64_t c0, int64_t c1, int32_t* wp) {
+  for (int64_t c = c0; c < c1; ++c)
     for (int64_t s = 0; s < K / 32; ++s)
       for (int64_t half = 0; half < 2; ++half) {
         __m512i r[16];
@@ -262,11 +263,12 @@ VISATTN_AMX static inline void project_block(const AmxProjection& p, const Group
 }  // namespace amx
 #endif
 
-// w [rows, K] (bf16 or float32, contiguous; rows and K multiples of 32) into wp [K/2 * rows] (amx::pack_pairs).
+// Rows 32 * c0 .. 32 * c1 of w [Co, K] (bf16 or float32, contiguous; K and Co multiples of 32) into their
+// place in wp [K/2 * Co] (amx::pack_pairs).
 template <typename T>
-inline void amx_pack_weight(const T* w, int64_t rows, int64_t K, int32_t* wp) {
+inline void amx_pack_weight(const T* w, int64_t K, int64_t c0, int64_t c1, int32_t* wp) {
 #if VISATTN_HAS_AMX_CODE
-  amx::pack_pairs(w, rows, K, wp);
+  amx::pack_pairs(w, K, c0, c1, wp);
 #endif
 }
 

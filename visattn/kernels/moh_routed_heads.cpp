@@ -727,10 +727,12 @@ at::Tensor moh_routed_proj(const at::Tensor& z, const at::Tensor& routed_mask, i
   if (T == 0) return out;
   visattn::AlignedBuffer<int32_t> packed;
   packed.resize(H * d / 2 * Co);
-  if (weight.scalar_type() == at::kFloat)
-    visattn::amx_pack_weight(weight.data_ptr<float>(), Co, H * d, packed.data());
-  else
-    visattn::amx_pack_weight(reinterpret_cast<const uint16_t*>(weight.data_ptr()), Co, H * d, packed.data());
+  at::parallel_for(0, Co / 32, 1, [&](int64_t c0, int64_t c1) {
+    if (weight.scalar_type() == at::kFloat)
+      visattn::amx_pack_weight(weight.data_ptr<float>(), H * d, c0, c1, packed.data());
+    else
+      visattn::amx_pack_weight(reinterpret_cast<const uint16_t*>(weight.data_ptr()), H * d, c0, c1, packed.data());
+  });
   const visattn::AmxProjection p{H, d, Co, reinterpret_cast<const uint16_t*>(z.data_ptr()), z.stride(0),
                                  packed.data(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                  reinterpret_cast<uint16_t*>(out.data_ptr()), Co};
