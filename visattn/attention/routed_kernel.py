@@ -27,9 +27,10 @@ the image's output rows), so the output stays in cache and nothing is padded.
   the wide matmul's speed per FLOP): ViT-S at 75% and DiT-B/2 at 90% of the heads (10th session).
 - ``routed_kernel_grouped`` (bfloat16 on AMX): ``routed_kernel_dense`` with an output projection of the
   chosen pairs alone (``visattn/kernels/amx_projection.h``): the tokens that chose the same routed heads
-  form a group, and each group's rows multiply only its heads' columns of W_O, on tiles. At DiT-B/2 with 6
-  of 12 heads it took 0.6-0.7x the dense output matmul's time, at 10 of 12 1.03x (13th session), so
-  ``auto`` times it beside ``routed_kernel_dense``. Elsewhere it is ``routed_kernel_dense``.
+  form a group, and each group's rows multiply only its heads' columns of W_O, on tiles. It took
+  0.65-0.69x the dense output matmul's time at DiT-B/2 with 6 of 12 heads, 0.83-0.85x with 10 of 12, but
+  1.10-1.18x at ViT-S with 5 of 6 (13th session), so ``auto`` times it beside ``routed_kernel_dense``.
+  Elsewhere it is ``routed_kernel_dense``.
 - ``masked_kernel_loops`` (float32): the masked dense computation in the loops kernel: the attention of
   every pair, unselected pairs zeroed by their gates. Until the projections became whole-tensor matmuls
   (9th session) it was the faster of the two where most routed heads are on; since then

@@ -81,8 +81,8 @@ T* aligned64(T* p) {
 }
 
 // A buffer whose data() is 64-byte aligned, for tile loads and stores: a tile row that crosses a cache line
-// costs two, and malloc aligns to 16 bytes (an output projection on tiles ran 0.7-0.9x the time once its
-// buffers were aligned, 13th session).
+// costs two, and malloc aligns to 16 bytes (amx_projection.h's time moved between 2.4 and 5.3 ms from
+// process to process with where its buffers landed, until they were aligned; 13th session).
 template <typename T>
 class AlignedBuffer {
  public:
