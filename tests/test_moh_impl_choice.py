@@ -18,7 +18,7 @@ from visattn.attention.impl_probe import (
     use_impl_probe,
 )
 from visattn.attention.moh import PATHS
-from visattn.attention.routed_kernel import KERNEL_PATHS
+from visattn.attention.routed_kernel import KERNEL_PATHS, kernel_path_runs
 from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op
 from visattn.utils.flops import count_flops
 
@@ -65,6 +65,7 @@ ALL_FAST = {
     "routed_kernel_loops": 1.0,
     "masked_kernel_loops": 1.0,
     "routed_kernel_dense": 1.0,
+    "routed_kernel_grouped": 1.0,
     "head_gather": 1.0,
     "head_gather_dense_out": 1.0,
 }
@@ -99,6 +100,27 @@ def test_auto_output_equals_dense_whatever_it_picks(routing):
             # without the kernel, its paths are sparse_projections again and are not probed
             probed = path not in KERNEL_PATHS or path in KERNEL_PATHS_HERE
             assert (m.last_path == path) == probed
+
+
+def test_auto_under_bf16_autocast_takes_the_grouped_projection_where_it_runs_and_times_it_fastest():
+    """On a CPU with AMX, under bf16 autocast, ``auto`` probes ``routed_kernel_grouped`` beside
+    ``routed_kernel_dense`` and, timed fastest, runs it: the output as close to float32's as the masked
+    dense path in bf16. Elsewhere the grouped path is not probed (it would be ``routed_kernel_dense``)."""
+    m = _moh(dim=256, heads=4, shared=1, topk=2)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.1)  # _moh's router noise would make the logits large for bf16
+    x = torch.randn(2, 33, 256)
+    timer = ScriptedTimer({**ALL_FAST, "routed_kernel_grouped": 0.1})
+    with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad():
+        ref = m.dense_forward(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, masked = m(x), m.dense_forward(x)
+            grouped_runs = kernel_path_runs(m, x, "routed_kernel_grouped")
+    assert ("routed_kernel_grouped" in timer.calls) == grouped_runs
+    assert (m.last_path == "routed_kernel_grouped") == grouped_runs
+    bf16_error = (masked.float() - ref).abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= 2 * bf16_error + 1e-3 * ref.abs().max().item()
 
 
 # --- the probe's decision ------------------------------------------------------------------------
