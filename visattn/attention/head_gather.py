@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .base import HeadAttention
 from .scores import expand_kv_groups
-from .sparse import compute_dtype, linear_rows, shared_kv
+from .sparse import compute_dtype, linear_rows, param_slice, shared_kv
 
 OUTPUTS = ("rows", "dense")
 
@@ -64,7 +64,7 @@ def head_gather_forward(attn: HeadAttention, x: torch.Tensor, output: str = "row
 def _project_kv(attn: HeadAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [B, N, C] -> k, v: [B, H_kv, N, d] (k through ``k_norm``)."""
     B, N, _ = x.shape
-    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim, compute_dtype(x))
     k, v = F.linear(x, kv_w, kv_b).view(B, N, 2, attn.num_kv_heads, attn.head_dim).unbind(2)
     return attn.k_norm(k.transpose(1, 2)), v.transpose(1, 2)
 
@@ -94,7 +94,7 @@ def _routed_heads(
     H, d = attn.num_heads, attn.head_dim
     shared = H - E
     chosen = x.reshape(B * N, C).index_select(0, flat).view(E, B * c, C)
-    q_w, q_b = linear_rows(attn.qkv, shared * d, H * d)
+    q_w, q_b = linear_rows(attn.qkv, shared * d, H * d, compute_dtype(x))
     q_w = q_w.view(E, d, C).transpose(1, 2)  # [E, C, d]
     q = torch.bmm(chosen, q_w) if q_b is None else torch.baddbmm(q_b.view(E, 1, d), chosen, q_w)
     q = attn.q_norm(q.view(E, B, c, d))
@@ -113,7 +113,8 @@ def _shared_heads(
     """Gated outputs [B, shared, N, d] of heads 0..shared-1 for every token."""
     B, N, _ = x.shape
     d, shared = attn.head_dim, attn.router.shared_heads
-    q = attn.q_norm(F.linear(x, *linear_rows(attn.qkv, 0, shared * d)).view(B, N, shared, d).transpose(1, 2))
+    q = F.linear(x, *linear_rows(attn.qkv, 0, shared * d, compute_dtype(x)))
+    q = attn.q_norm(q.view(B, N, shared, d).transpose(1, 2))
     k, v = shared_kv(k, v, shared, attn.num_heads // attn.num_kv_heads)
     dropout_p = attn.attn_drop.p if attn.training else 0.0
     o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
@@ -131,10 +132,11 @@ def _merge_rows(
     shared = attn.num_heads - E
     if shared_out is not None:
         merged = shared_out.transpose(1, 2).reshape(T, shared * d)
-        out = F.linear(merged, proj.weight[:, : shared * d], proj.bias)
+        out = F.linear(merged, param_slice(proj.weight, (slice(None), slice(None, shared * d)), routed.dtype), proj.bias)
     else:
         out = routed.new_zeros(T, width) if proj.bias is None else proj.bias.to(routed.dtype).expand(T, width)
-    w_o = proj.weight[:, shared * d :].view(width, E, d).permute(1, 2, 0)  # [E, d, dim_out]
+    w_o = param_slice(proj.weight, (slice(None), slice(shared * d, None)), routed.dtype)
+    w_o = w_o.view(width, E, d).permute(1, 2, 0)  # [E, d, dim_out]
     rows = torch.bmm(routed.reshape(E, B * c, d), w_o.to(routed.dtype))
     return out.to(rows.dtype).index_add(0, flat, rows.reshape(-1, width))
 

@@ -69,7 +69,15 @@ from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op, moh_ro
 from .base import HeadAttention
 from .fused_gating import functorch_active
 from .head_gather import head_gather_forward
-from .sparse import _Rows, _shared_heads, compute_dtype, linear_rows, matmul_param, sparse_moh_forward
+from .sparse import (
+    _Rows,
+    _shared_heads,
+    cast_param,
+    compute_dtype,
+    linear_rows,
+    matmul_param,
+    sparse_moh_forward,
+)
 
 MASKED_KERNEL_PATH = "masked_kernel_loops"
 DENSE_KERNEL_PATH = "routed_kernel_dense"
@@ -164,7 +172,7 @@ def routed_kernel_forward(
 
     shared = H if every_head else attn.router.shared_heads
     first_head = 0 if loops else shared  # the heads before it run in PyTorch (_shared_heads)
-    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim, dtype)
     logits = q_shared = v_bias = None
     if attn.router_columns and dtype == torch.float32:
         # One matmul for the shared heads' queries, the keys and values, and the router's logits: at
@@ -172,7 +180,7 @@ def routed_kernel_forward(
         # appended 0.1-0.7; the shared queries' own matmul 3.3 / 8.3 ms and appended 1.6 / 6.3
         # (docs/benchmarks.md, 9th session). In bf16 16 columns would misalign the rows (the 8th
         # session's finding), so bf16 keeps the separate matmuls.
-        q_w, q_b = linear_rows(attn.qkv, 0, first_head * attn.head_dim)
+        q_w, q_b = linear_rows(attn.qkv, 0, first_head * attn.head_dim, dtype)
         bias = torch.cat([q_b, kv_b]) if kv_b is not None else None  # both rows of qkv's bias, or neither
         if bias is not None and _bias_after_matmul(attn, x):
             bias, v_bias = None, kv_b[attn.kv_dim :]
@@ -213,7 +221,9 @@ def routed_kernel_forward(
         bias = attn.proj.bias
         rows = out.buffer.zero_() if bias is None else out.buffer.copy_(bias.to(dtype).expand_as(out.buffer))
     qkv_b = attn.qkv.bias.to(dtype) if attn.qkv.bias is not None else None
-    op(x.view(T, C), attn.qkv.weight.to(dtype), qkv_b, attn.proj.weight.to(dtype), k, v, v_bias, routed_mask,
+    # the whole weights in dtype, under autocast its own casts (kept for the region): cast here on every
+    # call, they had cost 1.8 ms a bf16 DiT-B/2 layer (13th session)
+    op(x.view(T, C), cast_param(attn.qkv.weight, dtype), qkv_b, cast_param(attn.proj.weight, dtype), k, v, v_bias, routed_mask,
        gates.view(T, H), shared, first_head, loops, rows, out_bias)
     return attn.proj_drop(rows.view(B, N, -1))
 

@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from visattn.kernels import autocast_weight_op
 
 from .base import HeadAttention
+from .fused_gating import functorch_active
 from .scores import expand_kv_groups
 
 
@@ -53,16 +57,57 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def matmul_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight or bias for an ``F.linear`` in ``dtype`` (``compute_dtype``): as it is under autocast, which
     casts it itself and keeps the cast for the rest of the autocast region, as for ``nn.Linear`` (a
-    sampling loop casts each weight once); cast here otherwise. Cast here on every call under autocast
-    too, qkv's and proj's weights had cost the bf16 ``routed_kernel_dense`` 1.4 + 0.35 ms a DiT-B/2 layer
-    that ``mha`` did not pay (12th session)."""
-    return p if torch.is_autocast_enabled(p.device.type) else p.to(dtype)
+    sampling loop casts each weight once), or that cast itself (``autocast_cast``); cast here otherwise.
+    Cast here on every call under autocast too, qkv's and proj's weights had cost the bf16
+    ``routed_kernel_dense`` 1.4 + 0.35 ms a DiT-B/2 layer that ``mha`` did not pay (12th session)."""
+    if not torch.is_autocast_enabled(p.device.type):
+        return p.to(dtype)
+    cached = autocast_cast(p, dtype)
+    return p if cached is None else cached
 
 
-def linear_rows(linear: torch.nn.Linear, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Output rows start..stop of a linear layer: (weight [stop - start, in], bias or None)."""
-    bias = linear.bias[start:stop] if linear.bias is not None else None
-    return linear.weight[start:stop], bias
+def param_slice(p: torch.Tensor, index, dtype: torch.dtype) -> torch.Tensor:
+    """``p[index]`` for a matmul in ``dtype``: a slice of autocast's own cast of p where there is one
+    (``autocast_cast``), else of p (the matmul casts it: autocast caches no slice, a view, so under autocast
+    that cast is made on every call)."""
+    cached = autocast_cast(p, dtype)
+    return (p if cached is None else cached)[index]
+
+
+def cast_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """p in ``dtype``: autocast's own cast where there is one (``autocast_cast``), else a cast made here."""
+    cached = autocast_cast(p, dtype)
+    return p.to(dtype) if cached is None else cached
+
+
+def autocast_cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The cast of float32 parameter p that CPU autocast made, or makes now and keeps, for the rest of its
+    region (``torch.ops.visattn.autocast_weight``), so that slices of it cost no cast per call; None
+    outside CPU autocast to ``dtype``, with gradients (the op has no backward), outside eager mode
+    (torch.compile, dispatch modes, ``torch.func``) and without the kernels."""
+    if (
+        not isinstance(p, torch.Tensor)  # first: an fx Proxy's attributes cannot be tested
+        or p.device.type != "cpu"
+        or p.dtype != torch.float32
+        or not torch.is_autocast_enabled("cpu")
+        or torch.get_autocast_dtype("cpu") != dtype
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or _get_current_dispatch_mode() is not None
+        or functorch_active()
+    ):
+        return None
+    op = autocast_weight_op()
+    return None if op is None else op(p)
+
+
+def linear_rows(
+    linear: torch.nn.Linear, start: int, stop: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output rows start..stop of a linear layer for a matmul in ``dtype``: (weight [stop - start, in], bias
+    or None), slices of autocast's casts where there are some (``param_slice``)."""
+    bias = param_slice(linear.bias, slice(start, stop), dtype) if linear.bias is not None else None
+    return param_slice(linear.weight, slice(start, stop), dtype), bias
 
 
 class _Rows:
@@ -191,7 +236,7 @@ def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
     dtype = compute_dtype(x)
     x = x.to(dtype)  # cast once (under autocast) rather than once per gather
 
-    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim)
+    kv_w, kv_b = linear_rows(attn.qkv, attn.attn_dim, attn.attn_dim + 2 * attn.kv_dim, dtype)
     k, v = F.linear(x, kv_w, kv_b).view(B, N, 2, Hkv, d).unbind(2)
     k = attn.k_norm(k.transpose(1, 2))  # [B, Hkv, N, d]
     v = v.transpose(1, 2)
@@ -216,11 +261,11 @@ def _sparse_projections(attn: HeadAttention, x: torch.Tensor) -> torch.Tensor:
             continue
         head = shared + e
         tokens = routed[:, e].nonzero().squeeze(1)  # flat b * N + n, ascending
-        q_w, q_b = linear_rows(attn.qkv, head * d, (head + 1) * d)
+        q_w, q_b = linear_rows(attn.qkv, head * d, (head + 1) * d, dtype)
         q = attn.q_norm(F.linear(x_rows.index_select(0, tokens), q_w, q_b))  # [count, d]
         kv_head = head // group
         o = _attend_grouped(q, tokens, N, k[:, kv_head], v[:, kv_head], dropout_p)  # [count, d]
-        partial.linear(o, attn.proj.weight[:, head * d : (head + 1) * d], None)
+        partial.linear(o, param_slice(attn.proj.weight, (slice(None), slice(head * d, (head + 1) * d)), dtype), None)
 
     # Per token, the indices of its rows in `partial` ([shared/bias row,] then its topk pair rows)
     # and their weights (1, then the routed gates; the shared rows are gated already).
@@ -267,7 +312,7 @@ def _shared_heads(
     B, N, _ = x.shape
     d = attn.head_dim
     if q is None:
-        q_w, q_b = linear_rows(attn.qkv, 0, shared * d)
+        q_w, q_b = linear_rows(attn.qkv, 0, shared * d, compute_dtype(x))
         q = F.linear(x, q_w, q_b)
     q = attn.q_norm(q.view(B, N, shared, d).transpose(1, 2))
     k, v = shared_kv(k, v, shared, group)
@@ -279,7 +324,8 @@ def _shared_heads(
         heads = heads.add_(head_bias) if in_place else heads + head_bias
     heads = heads.mul_(gate) if in_place else heads * gate
     merged = heads.transpose(1, 2).reshape(B * N, shared * d)
-    out.linear(merged, attn.proj.weight[:, : shared * d], attn.proj.bias if out_bias else None)
+    w_o = param_slice(attn.proj.weight, (slice(None), slice(None, shared * d)), compute_dtype(x))
+    out.linear(merged, w_o, attn.proj.bias if out_bias else None)
 
 
 def shared_kv(k: torch.Tensor, v: torch.Tensor, shared: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

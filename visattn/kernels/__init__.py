@@ -132,6 +132,12 @@ def moh_routed_proj_op(dtype: torch.dtype, head_dim: int) -> Callable | None:
     return torch.ops.visattn.moh_routed_proj if ok else None
 
 
+def autocast_weight_op() -> Callable | None:
+    """``torch.ops.visattn.autocast_weight`` (a float32 parameter as CPU autocast casts it, from autocast's
+    own cache: ``visattn.attention.sparse.param_slice``) where the kernels load, else None."""
+    return None if _OFF.get() or not _load() else torch.ops.visattn.autocast_weight
+
+
 def has_sgemm() -> bool:
     """Whether the kernels that call MKL's SGEMM run here (``moh_gated_proj``, ``routed_kernel``): the
     kernels built and on, and the running torch build exports SGEMM."""

@@ -15,6 +15,7 @@
 // the query and output projections are ATen matmuls over every (token, head) pair (heads_loops).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -744,6 +745,19 @@ at::Tensor moh_routed_proj(const at::Tensor& z, const at::Tensor& routed_mask, i
   return out;
 }
 
+// A float32 parameter as CPU autocast casts it for a matmul (at::autocast::cached_cast): the cast autocast
+// keeps for the rest of its outermost region, as it keeps nn.Linear's weight, so that slices of it cost no
+// cast of their own per call (autocast does not cache a slice: it is a view, not a leaf). Registered for
+// AutocastCPU alone: outside CPU autocast it is an error.
+at::Tensor autocast_weight(const at::Tensor& weight) {
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(at::kCPU), weight, c10::DeviceType::CPU);
+}
+
+at::Tensor autocast_weight_outside_autocast(const at::Tensor& weight) {
+  TORCH_CHECK(false, "autocast_weight: call it inside torch.autocast('cpu')");
+  return weight;
+}
+
 // The gradients of moh_routed_heads(..., first_head = 0, small_gemm = true) for grad_out [T, Co]: dx [T, C],
 // d(qkv_w's query rows) [H * d, C], d(their bias) [H * d] (empty without a bias), d(proj_w) [Co, H * d],
 // dk and dv [B, Hkv, N, d] and dgates [T, H] (0 where a head is off). The selection gets none.
@@ -809,6 +823,7 @@ TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("moh_routed_attention(Tensor q, Tensor? q_bias, Tensor k, Tensor v, Tensor? v_bias, Tensor routed_mask, "
         "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True, bool zero_off=True) -> ()");
   m.def("moh_routed_proj(Tensor z, Tensor routed_mask, int S, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("autocast_weight(Tensor weight) -> Tensor");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
   m.def("moh_fused_attention(int head_dim) -> bool", &moh_fused_attention);
   m.def("moh_amx_attention(int head_dim) -> bool", &moh_amx_attention);
@@ -818,4 +833,6 @@ TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_routed_heads_backward", &moh_routed_heads_backward);
   m.impl("moh_routed_attention", &moh_routed_attention);
   m.impl("moh_routed_proj", &moh_routed_proj);
+  m.impl("autocast_weight", &autocast_weight_outside_autocast);
 }
+TORCH_LIBRARY_IMPL(visattn, AutocastCPU, m) { m.impl("autocast_weight", &autocast_weight); }
