@@ -132,7 +132,8 @@ def _merge_rows(
     shared = attn.num_heads - E
     if shared_out is not None:
         merged = shared_out.transpose(1, 2).reshape(T, shared * d)
-        out = F.linear(merged, param_slice(proj.weight, (slice(None), slice(None, shared * d)), routed.dtype), proj.bias)
+        w_shared = param_slice(proj.weight, (slice(None), slice(None, shared * d)), routed.dtype)
+        out = F.linear(merged, w_shared, proj.bias)
     else:
         out = routed.new_zeros(T, width) if proj.bias is None else proj.bias.to(routed.dtype).expand(T, width)
     w_o = param_slice(proj.weight, (slice(None), slice(shared * d, None)), routed.dtype)

@@ -223,8 +223,9 @@ def routed_kernel_forward(
     qkv_b = attn.qkv.bias.to(dtype) if attn.qkv.bias is not None else None
     # the whole weights in dtype, under autocast its own casts (kept for the region): cast here on every
     # call, they had cost 1.8 ms a bf16 DiT-B/2 layer (13th session)
-    op(x.view(T, C), cast_param(attn.qkv.weight, dtype), qkv_b, cast_param(attn.proj.weight, dtype), k, v, v_bias, routed_mask,
-       gates.view(T, H), shared, first_head, loops, rows, out_bias)
+    qkv_w, proj_w = cast_param(attn.qkv.weight, dtype), cast_param(attn.proj.weight, dtype)
+    op(x.view(T, C), qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates.view(T, H), shared, first_head, loops,
+       rows, out_bias)
     return attn.proj_drop(rows.view(B, N, -1))
 
 

@@ -216,8 +216,8 @@ VISATTN_AMX VISATTN_INLINE void store_tiles(float* c) {
 }
 
 // c [32, 32] (+ bias[0 .. 32) where given) rounded to bf16 into out + row * out_ld + col for the block's rows.
-VISATTN_AMX static inline void write_rows(const AmxProjection& p, const GroupBlock& blk, const float* c, const float* bias,
-                                          int64_t col) {
+VISATTN_AMX static inline void write_rows(const AmxProjection& p, const GroupBlock& blk, const float* c,
+                                          const float* bias, int64_t col) {
   const __m512 b_lo = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b_hi = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
   for (int64_t r = 0, count = blk.count; r < count; ++r) {
