@@ -7,6 +7,12 @@ import signal
 import pytest
 import torch
 
+# Without a GPU, Triton kernels (visattn.kernels.cuda_routing) run in Triton's interpreter on CPU tensors. The
+# switch is read when triton is imported (its own library functions are jitted then), so it is set here, before
+# any test module imports it (torch alone does not).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config):
     torch.set_num_threads(1)

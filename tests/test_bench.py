@@ -193,6 +193,27 @@ def test_a_study_workload_steps_its_optimizer():
     assert any(".router." in n for n in moved) and any(".qkv." in n for n in moved)
 
 
+def test_a_gpu_bench_neither_probes_nor_builds_the_cpu_kernels(monkeypatch):
+    """On a GPU the CPU kernels do not run: a bench there must not build them (minutes on first use) nor time
+    the CPU training paths."""
+    import visattn.attention as attention
+    from visattn.attention import build_attention
+    from visattn.bench.paths import MHAOnKernelParts
+    from visattn.bench.study import build_study_workload
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("called for a GPU bench")
+
+    monkeypatch.setattr(attention, "choose_train_paths", refuse)
+    monkeypatch.setattr("visattn.bench.paths.moh_routed_attention_op", refuse)
+    build_study_workload("cls", "moh-75", batch=2, device="cuda")
+    with pytest.raises(AssertionError, match="GPU bench"):  # the probe does run for a CPU bench
+        build_study_workload("cls", "moh-75", batch=2, device="cpu")
+    parts = MHAOnKernelParts(build_attention("mha", 32, num_heads=4).to("meta"))
+    with torch.no_grad():
+        assert parts(torch.empty(2, 5, 32, device="meta")).shape == (2, 5, 32)  # not a CPU tensor: mha itself
+
+
 def test_study_mode_compares_each_cell_with_the_kernels_off(tmp_path, monkeypatch):
     """'<cell> pytorch' rows: the same model, timed in the same rounds, with visattn.kernels off."""
     import visattn.attention.fused_gating as fused_gating

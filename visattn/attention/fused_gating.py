@@ -38,6 +38,19 @@ def eager_cpu_kernels(x: torch.Tensor) -> bool:
     )
 
 
+def eager_cuda_gates(x: torch.Tensor) -> bool:
+    """Whether the Triton gates (``visattn.kernels.moh_cuda_gates_op``, where Triton is installed) may replace
+    the PyTorch routing for x: an eager CUDA tensor, outside ``torch.compile``, fx tracing, ``torch.func``
+    and Python dispatch modes (the caller checks that no gradient is needed: the kernel has no backward)."""
+    return (
+        type(x) is torch.Tensor
+        and x.device.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
+        and not functorch_active()
+    )
+
+
 class RoutedGates(torch.autograd.Function):
     """``torch.ops.visattn.moh_gates`` with its backward.
 

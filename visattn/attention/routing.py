@@ -32,7 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from .fused_gating import eager_cpu_kernels, routed_gates
+from visattn.kernels import moh_cuda_gates_op
+
+from .fused_gating import eager_cpu_kernels, eager_cuda_gates, routed_gates
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -242,16 +244,18 @@ class HeadRouter(nn.Module):
             weights.append(weights[-1].new_zeros((rows - self.logit_rows, weights[-1].shape[1])))
         return weights[0] if len(weights) == 1 else torch.cat(weights, 0)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, x: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         """Every linear router's logits in one matmul, head-major: [shared; routed; mix] x tokens
-        ([logit_rows, B*N], float32), or None without a linear router. A token-major product viewed
-        head-major (strides (1, logit_rows)): MKL ran x @ W^T twice as fast as W @ x^T at ViT-S and
-        DiT-B sizes (1.1 against 2.4 ms a DiT-B layer), and the routing kernel reads either layout."""
+        ([logit_rows, B*N], float32, or the matmul's dtype without ``float32``), or None without a linear
+        router. A token-major product viewed head-major (strides (1, logit_rows)): MKL ran x @ W^T twice as
+        fast as W @ x^T at ViT-S and DiT-B sizes (1.1 against 2.4 ms a DiT-B layer), and the routing
+        kernels read either layout."""
         weight = self.stacked_weight()
         if weight is None:
             return None
         B, N, C = x.shape
-        return F.linear(x.reshape(B * N, C), weight).t().float()
+        logits = F.linear(x.reshape(B * N, C), weight).t()
+        return logits.float() if float32 else logits
 
     def _scores(self, x: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor | None, start: int) -> torch.Tensor:
         """Routed pool scores [E, B*N]: the linear router's logits from row ``start``, or the l2 norm of
@@ -350,20 +354,33 @@ class HeadRouter(nn.Module):
     def _compiled_gates(
         self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``forward``'s result from the compiled kernel (``visattn.kernels``; with gradients through
-        ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
-        below runs: head choice with gradients, binary gates, the l2norm router, a dense layer of one
-        shared head, or where ``eager_cpu_kernels`` says no (another device, torch.compile / fx tracing,
-        a Python dispatch mode such as the FLOP counter, no kernel on this machine)."""
+        """``forward``'s result from the compiled kernels (``visattn.kernels``; on a CPU with gradients
+        through ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
+        below runs: binary gates, the l2norm router, a dense layer of one shared head; on a CPU head
+        choice with gradients, and where ``eager_cpu_kernels`` says no (torch.compile / fx tracing, a
+        Python dispatch mode such as the FLOP counter, no kernel on this machine); on a GPU
+        (``eager_cuda_gates``) head choice, training and anything needing gradients."""
         # a dense layer (routed_topk=0) has no pool: its soft weights need the shared router
         linear = self.routed is not None or (self.pool == 0 and self.shared is not None)
-        if self.gate_mode != "soft" or not linear or not eager_cpu_kernels(x):
+        if self.gate_mode != "soft" or not linear:
+            return None
+        cuda_gates = moh_cuda_gates_op() if eager_cuda_gates(x) else None
+        if cuda_gates is None and not eager_cpu_kernels(x):
             return None
         B, N, _ = x.shape
         S, E = self.shared_heads, self.pool
         head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
-        if head_choice and (N == 0 or torch.is_grad_enabled() and (
-                x.requires_grad or any(p.requires_grad for p in self.parameters()))):
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if cuda_gates is not None:
+            if head_choice or needs_grad or (self.training and E > 0):  # no backward, no load-balancing loss
+                return None
+            if logits is None:
+                logits = self._logits(x, float32=False)  # the kernel reads any float dtype
+            assert logits is not None
+            budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+            gates, keep = cuda_gates(logits, *budget)
+            return self._gates_out(gates, keep, B, N, selection)
+        if head_choice and (N == 0 or needs_grad):
             return None  # head choice's compiled gates have no backward
         if logits is None:
             logits = self._logits(x)
@@ -378,10 +395,18 @@ class HeadRouter(nn.Module):
             gates, keep, aux = routed_gates(logits, budget, balanced)
             if balanced:
                 self.aux_loss = aux
+        return self._gates_out(gates, keep, B, N, selection)
+
+    @torch.jit.unused
+    def _gates_out(
+        self, gates: torch.Tensor, keep: torch.Tensor, B: int, N: int, selection: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernels' gates [B*N, H] and keep [E, B*N] as ``forward`` returns them (recording the head load)."""
+        S = self.shared_heads
         self.head_load = image_head_load(keep, B, N, S) if keeps_stats() else None
         if not selection:
             return gates.view(B, N, self.num_heads), None
-        chosen = torch.cat([x.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
+        chosen = torch.cat([keep.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
         return gates.view(B, N, self.num_heads), chosen.view(self.num_heads, B, N).permute(1, 2, 0)
 
 

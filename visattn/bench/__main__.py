@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mod.add_argument("--batch", type=int_at_least(1), default=32)
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     mod.add_argument("--compile", action="store_true", help="time torch.compile'd models (inductor; compiled in the warm-up)")
+    mod.add_argument("--compare-kernels", action="store_true",
+                     help="also time each attention but the first with visattn.kernels off ('<attn> pytorch' rows)")
     _common(mod)
     study = sub.add_parser("study", help="the study's models (conf/study/), whole, per cell: images/s")
     study.add_argument("--tasks", nargs="+", default=list(STUDY_TASKS), choices=STUDY_TASKS)
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             clock=args.clock,
             device=device,
             compile=args.compile,
+            compare_kernels=args.compare_kernels,
         )
         table = markdown_table(rows, "preset")
     result = {"meta": meta, "rows": rows}

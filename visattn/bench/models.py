@@ -108,13 +108,15 @@ def attention_spec(label: str, heads: list[int]) -> str | dict[str, Any]:
     return {"name": "moh", "shared_heads": [s for s, _ in budgets], "routed_topk": [k for _, k in budgets]}
 
 
-def build_model_workload(preset: str, attn_label: str, batch: int, seed: int = 0) -> Workload:
+def build_model_workload(preset: str, attn_label: str, batch: int, seed: int = 0, use_kernels: bool = True) -> Workload:
     """The model with the attention and random inputs of ``batch`` images (module-level: pickled
-    into memory probes)."""
+    into memory probes); ``use_kernels=False`` runs it with ``visattn.kernels`` off."""
     spec = MODEL_PRESETS[preset]
     torch.manual_seed(seed)
     model = spec.build(attention_spec(attn_label, spec.heads()))
-    return Workload(model, spec.inputs(batch))
+    work = Workload(model, spec.inputs(batch))
+    work.use_kernels = use_kernels
+    return work
 
 
 def run_model_bench(
@@ -129,9 +131,12 @@ def run_model_bench(
     clock: str = "wall",
     device: torch.device | str = "cpu",
     compile: bool = False,
+    compare_kernels: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset``, ``infer_images_per_s`` and
-    ``train_images_per_s``; the first attention of ``attns`` is the reference of the ratios."""
+    ``train_images_per_s``; the first attention of ``attns`` is the reference of the ratios.
+    ``compare_kernels``: each other attention also as ``<attn> pytorch``, with ``visattn.kernels`` off, in
+    the same rounds."""
     rows: list[dict[str, Any]] = []
     for preset in presets:
         if preset not in MODEL_PRESETS:
@@ -142,6 +147,8 @@ def run_model_bench(
             rows.append({"preset": preset, "label": "-", "skipped": f"{module} is not in the tree yet"})
             continue
         cases = {a: (AttentionCase(a, a), (preset, a, batch)) for a in attns}
+        if compare_kernels:
+            cases |= {f"{a} pytorch": (AttentionCase(f"{a} pytorch", a), (preset, a, batch, 0, False)) for a in attns[1:]}
         measured = measure_cases(
             cases,
             build_model_workload,

@@ -76,11 +76,13 @@ def set_moh_impl(model: nn.Module, impl: str) -> None:
 
 
 def build_study_workload(
-    task: str, cell: str, batch: int, profile: str = "full", seed: int = 0, probe_train_paths: bool = True
+    task: str, cell: str, batch: int, profile: str = "full", seed: int = 0, probe_train_paths: bool = True,
+    device: torch.device | str = "cpu",
 ) -> Workload:
     """The study model of ``cell`` for ``task`` with random inputs of ``batch`` images, the AdamW its
     trainer builds, and, where the profile sets ``train.attn_paths=probe`` (and ``probe_train_paths``),
-    the MoH training paths its trainer would choose at start (in float32)."""
+    the MoH training paths its trainer would choose at start (in float32) on ``device``: on a GPU the
+    masked dense path (the trainer's probe says so without timing), so nothing is probed there."""
     from visattn.attention import apply_train_paths, choose_train_paths
     from visattn.engine.optim import adamw, build_optimizer
 
@@ -94,7 +96,8 @@ def build_study_workload(
         train = cfg["train"]
         optimizer = adamw(model.parameters(), cpu, lr=float(train["lr"]), weight_decay=float(train["weight_decay"]))
     work = Workload(model, study_inputs(task, cfg, batch, model), optimizer=optimizer)
-    if probe_train_paths and cfg["train"].get("attn_paths", "dense") == "probe":
+    on_cpu = torch.device(device).type == "cpu"
+    if probe_train_paths and on_cpu and cfg["train"].get("attn_paths", "dense") == "probe":
         apply_train_paths(model, choose_train_paths(model, work.loss))
     return work
 
@@ -128,7 +131,8 @@ def run_study_bench(
 
     def build(task: str, cell: str, batch: int, profile: str, label: str) -> Workload:
         # only a cell's own row probes: a " pytorch" row trains with the kernels off, an impl row on its impl
-        built[task, label] = build_study_workload(task, cell, batch, profile, probe_train_paths=label == cell)
+        built[task, label] = build_study_workload(task, cell, batch, profile, probe_train_paths=label == cell,
+                                                  device=device)
         built[task, label].use_kernels = not label.endswith(" pytorch")
         if moh_impl is not None and label.endswith(f" {moh_impl}"):
             set_moh_impl(built[task, label].module, moh_impl)

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels, built on this machine on first use, with the PyTorch code as the fallback.
+"""Compiled kernels (CPU, and one Triton kernel for GPUs), built on this machine on first use, with the PyTorch code as the fallback.
 
 - ``moh_routing_op()``: MoH's token-choice routing in one pass (``moh_routing.cpp``), with its backward
   and the gated head merge's, alone or with the output projection (``torch.ops.visattn.``
@@ -7,6 +7,8 @@
   mode, where the PyTorch formulation costs about 20 small operations a layer each way (half the
   routing's time at the study's sizes; docs/benchmarks.md). The same library holds head choice's
   selection (``moh_head_choice``) and the per-image head load (``moh_head_load``).
+- ``moh_cuda_gates_op()``: the same token-choice gates on a GPU, one Triton kernel (``cuda_routing.py``;
+  inference: training runs the PyTorch routing there).
 - ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
   selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
   ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch
@@ -94,6 +96,17 @@ def moh_routing_op() -> Callable | None:
     """``torch.ops.visattn.moh_gates`` (built and loaded once per process), or None where it cannot
     be built, with ``VISATTN_KERNELS=0`` and inside ``disabled()``."""
     return None if _OFF.get() or not _load() else torch.ops.visattn.moh_gates
+
+
+def moh_cuda_gates_op() -> Callable | None:
+    """``visattn.kernels.cuda_routing.moh_gates_cuda`` (MoH's token-choice gates on a GPU in one Triton kernel,
+    inference only) where Triton is installed, else None (also with ``VISATTN_KERNELS=0`` and inside
+    ``disabled()``). Nothing is built ahead: Triton compiles it on the GPU at first use."""
+    if _OFF.get() or os.environ.get("VISATTN_KERNELS", "1") == "0":
+        return None
+    from . import cuda_routing
+
+    return cuda_routing.moh_gates_cuda if cuda_routing.available() else None
 
 
 def moh_routed_heads_op(dtype: torch.dtype, blas: bool = True) -> Callable | None:

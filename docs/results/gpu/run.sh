@@ -32,23 +32,9 @@ else
   STUDY_BATCH=256; PRESETS="vit_small dit_b2"
 fi
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a limit, log to $R/NAME.log, one summary line
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$SUMMARY"
-  tar -czf "$OUT/gpu.tar.gz" --exclude=checkpoints --exclude=tb --exclude="*.safetensors" --exclude="*.npz" -C "$OUT" gpu  # what finished comes back even if the call is cut
-}
+source "$(dirname "$0")/steps.sh"
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
-  $PY -c "import torch, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__,
-'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
-  grep -m1 'model name' /proc/cpuinfo; nproc
-} >"$R/device.txt" 2>&1
-cat "$R/device.txt" >"$SUMMARY"
+device_info
 
 # 1. Issue 31: our training step against a bare PyTorch loop, both tasks, bf16.
 step loop 150 $PY -m visattn.bench loop --device $DEVICE --dtypes bf16 --vit-batch $VIT_BATCH --dit DiT-B/2 \

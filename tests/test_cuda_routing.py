@@ -1,0 +1,145 @@
+"""MoH's Triton gates for GPUs (visattn.kernels.cuda_routing) against the PyTorch routing they replace.
+
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, on CPU tensors), and the
+router's GPU branch is reached by declaring CPU tensors eligible; with a GPU the same checks run on it.
+"""
+
+import pytest
+import torch
+
+import visattn.kernels as kernels
+from visattn.attention import build_attention
+from visattn.kernels import cuda_routing
+
+pytestmark = pytest.mark.skipif(not cuda_routing.available(), reason="triton is not installed (a CPU-only torch)")
+
+BUDGETS = [  # (heads, shared, topk, two_stage)
+    (8, 2, 2, True), (8, 1, 3, True), (8, 0, 4, False), (8, 2, 6, True), (6, 3, 2, False), (12, 0, 11, False),
+    (16, 4, 5, True), (8, 8, 0, False),  # the last: dense, soft weights over every head
+]
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """"cuda" on a machine with a GPU; else "cpu", with the kernel interpreted (conftest.py sets
+    TRITON_INTERPRET) and the router's GPU branch taken for CPU tensors."""
+    if GPU:
+        return "cuda"
+    monkeypatch.setattr("visattn.attention.routing.eager_cuda_gates", lambda x: type(x) is torch.Tensor)
+    return "cpu"
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The kernel's calls, counted (None still where ``kernels.moh_cuda_gates_op`` says so)."""
+    seen = []
+
+    def counted(*args):
+        seen.append(1)
+        return cuda_routing.moh_gates_cuda(*args)
+
+    monkeypatch.setattr("visattn.attention.routing.moh_cuda_gates_op",
+                        lambda: None if kernels.moh_cuda_gates_op() is None else counted)
+    return seen
+
+
+def _layer(heads, shared, topk, two_stage, device, dim=48, **kw):
+    return build_attention("moh", dim, num_heads=heads, shared_heads=shared, routed_topk=topk, two_stage=two_stage,
+                           impl="dense", **kw).to(device).eval()
+
+
+@pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: logits far apart, probabilities near 0 and 1
+def test_triton_gates_equal_the_pytorch_routing(device, calls, heads, shared, topk, two_stage, scale):
+    torch.manual_seed(heads * 10 + topk)
+    layer = _layer(heads, shared, topk, two_stage, device)
+    router = layer.router
+    x = torch.randn(3, 47, 48, device=device) * scale  # 141 tokens: two blocks, the second partial
+    with torch.no_grad():
+        gates, none = router(x, None, selection=False)
+        out = layer(x)
+        _, selected = router(x, None, selection=True)
+        with kernels.disabled():  # the PyTorch routing
+            ref_gates, _ = router(x, None, selection=False)
+            ref_out = layer(x)
+            _, ref_selected = router(x, None, selection=True)
+    assert len(calls) == 3 and none is None
+    assert gates.shape == (3, 47, heads) and gates.dtype == torch.float32 and gates.is_contiguous()
+    torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+    assert torch.equal(selected, ref_selected)
+    assert torch.equal(selected.sum(-1), torch.full((3, 47), shared + topk if topk else heads, device=device))
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kernel_reads_low_precision_logits_in_either_layout(device):
+    torch.manual_seed(0)
+    S, E, k = 3, 9, 4
+    logits = torch.randn(S + E + 2, 70, device=device).to(torch.bfloat16)
+    ref = cuda_routing.moh_gates_cuda(logits.float(), S, E, k, True, True, 1e-7)
+    token_major = logits.t().contiguous().t()  # strides (1, R): the router's matmul viewed head-major
+    for form in (logits, token_major):
+        gates, keep = cuda_routing.moh_gates_cuda(form, S, E, k, True, True, 1e-7)
+        assert torch.equal(gates, ref[0]) and torch.equal(keep, ref[1])
+    # the gates of a token: softmax over the shared logits times 2 * alpha0 * S, and k routed heads
+    # renormalised to 2 * alpha1 * k
+    alpha = torch.softmax(logits[-2:].float(), 0) * 2
+    shared = torch.softmax(logits[:S].float(), 0) * alpha[:1] * S
+    torch.testing.assert_close(gates[:, :S].t(), shared)
+    torch.testing.assert_close(gates[:, S:].sum(1), alpha[1] * k)
+    assert torch.equal(keep.sum(0), torch.full((70,), float(k), device=device))
+
+
+def test_ties_go_to_the_lower_head_and_nan_stays_in_its_token(device):
+    S, E, k = 0, 6, 2
+    logits = torch.zeros(E, 3, device=device)  # token 0: all equal
+    logits[:, 1] = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 2.0])  # token 1: head 5, then 1 over 2 and 3
+    logits[2, 2] = float("nan")
+    gates, keep = cuda_routing.moh_gates_cuda(logits, S, E, k, False, False, 1e-7)
+    assert keep[:, 0].tolist() == [1, 1, 0, 0, 0, 0]
+    assert keep[:, 1].tolist() == [0, 1, 0, 0, 0, 1]
+    assert gates[2].isnan().all() and gates[:2].isfinite().all()
+
+
+def test_a_budget_that_does_not_match_the_logits_is_refused(device):
+    with pytest.raises(ValueError, match="logits have 5 rows.*needs 6"):
+        cuda_routing.moh_gates_cuda(torch.zeros(5, 4, device=device), 2, 2, 1, True, True, 1e-7)
+
+
+def test_the_pytorch_routing_runs_where_the_kernel_does_not_apply(device, calls):
+    x = torch.randn(2, 9, 48, device=device)
+    layer = _layer(8, 2, 2, True, device)
+    layer.train()(x)  # training: gradients and the load-balancing loss
+    assert layer.router.aux_loss is not None
+    layer.eval()(x.requires_grad_())  # gradients to x
+    with torch.no_grad():
+        _layer(8, 2, 2, True, device, routing="head_choice")(x)
+        _layer(8, 2, 2, False, device, gate="binary_ste")(x)
+        with kernels.disabled():
+            _layer(8, 2, 2, True, device)(x)
+    assert calls == []
+    with torch.no_grad():
+        layer.eval()(x)
+    assert calls == [1]
+
+
+def test_cpu_tensors_never_take_the_gpu_kernel():
+    from visattn.attention.fused_gating import eager_cuda_gates
+
+    assert not eager_cuda_gates(torch.zeros(2, 3, 4))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: a whole model under bf16 autocast")
+def test_a_moh_vit_in_bf16_on_the_gpu_equals_its_pytorch_routing(calls):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("visattn_vit_small_patch16_224", attn={"name": "moh", "impl": "dense"}, num_classes=10)
+    model = model.cuda().eval()
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        out = model(x)
+        with kernels.disabled():
+            ref = model(x)
+    assert len(calls) == len(model.blocks)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)  # the gates rounded to bf16
