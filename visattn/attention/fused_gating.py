@@ -22,6 +22,11 @@ def functorch_active() -> bool:
     return peek is not None and peek() is not None
 
 
+def needs_grad(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether autograd would record a forward of ``module`` on x (x or a parameter requires grad)."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+
+
 def eager_cpu_kernels(x: torch.Tensor) -> bool:
     """Whether the compiled kernels may replace PyTorch code for x: an eager CPU tensor, outside
     ``torch.compile`` / fx tracing (they trace the PyTorch code), ``torch.func`` transforms and Python

@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from visattn.kernels import moh_routed_attention_op, moh_routed_heads_op, moh_routed_proj_op
 
 from .base import HeadAttention
-from .fused_gating import functorch_active
+from .fused_gating import functorch_active, needs_grad
 from .head_gather import head_gather_forward
 from .sparse import (
     _Rows,
@@ -113,10 +113,6 @@ def uses_loops(path: str) -> bool:
 def preferred_kernel_path(attn: HeadAttention) -> str:
     """The kernel path ``impl="sparse"`` takes for this layer's size."""
     return "routed_kernel_loops" if attn.dim * attn.head_dim <= LOOPS_MAX_WEIGHTS else "routed_kernel"
-
-
-def needs_grad(attn: HeadAttention, x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in attn.parameters()))
 
 
 def kernel_runs(attn: HeadAttention, x: torch.Tensor, loops: bool = False) -> bool:

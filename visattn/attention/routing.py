@@ -34,7 +34,7 @@ from timm.layers import register_notrace_function
 
 from visattn.kernels import moh_cuda_gates_op
 
-from .fused_gating import eager_cpu_kernels, eager_cuda_gates, routed_gates
+from .fused_gating import eager_cpu_kernels, eager_cuda_gates, needs_grad, routed_gates
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -370,9 +370,8 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         S, E = self.shared_heads, self.pool
         head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         if cuda_gates is not None:
-            if head_choice or needs_grad or (self.training and E > 0):  # no backward, no load-balancing loss
+            if head_choice or (self.training and E > 0) or needs_grad(self, x):  # no backward, no balancing loss
                 return None
             if logits is None:
                 logits = self._logits(x, float32=False)  # the kernel reads any float dtype
@@ -380,7 +379,7 @@ class HeadRouter(nn.Module):
             budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
             gates, keep = cuda_gates(logits, *budget)
             return self._gates_out(gates, keep, B, N, selection)
-        if head_choice and (N == 0 or needs_grad):
+        if head_choice and (N == 0 or needs_grad(self, x)):
             return None  # head choice's compiled gates have no backward
         if logits is None:
             logits = self._logits(x)
