@@ -55,20 +55,23 @@ def test_triton_gates_equal_the_pytorch_routing(device, calls, heads, shared, to
     torch.manual_seed(heads * 10 + topk)
     layer = _layer(heads, shared, topk, two_stage, device)
     router = layer.router
-    x = torch.randn(3, 47, 48, device=device) * scale  # 141 tokens: two blocks, the second partial
+    x = torch.randn(2, 147, 48, device=device) * scale  # an image of 147 tokens: 128 and 19 in the kernel
     with torch.no_grad():
         gates, none = router(x, None, selection=False)
+        load = router.head_load
         out = layer(x)
         _, selected = router(x, None, selection=True)
         with kernels.disabled():  # the PyTorch routing
             ref_gates, _ = router(x, None, selection=False)
+            ref_load = router.head_load
             ref_out = layer(x)
             _, ref_selected = router(x, None, selection=True)
     assert len(calls) == 3 and none is None
-    assert gates.shape == (3, 47, heads) and gates.dtype == torch.float32 and gates.is_contiguous()
+    assert torch.equal(load, ref_load) and load.shape == (2, heads)  # a count over 147 tokens / 147, as mean gives
+    assert gates.shape == (2, 147, heads) and gates.dtype == torch.float32 and gates.is_contiguous()
     torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
     assert torch.equal(selected, ref_selected)
-    assert torch.equal(selected.sum(-1), torch.full((3, 47), shared + topk if topk else heads, device=device))
+    assert torch.equal(selected.sum(-1), torch.full((2, 147), shared + topk if topk else heads, device=device))
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
 
 
@@ -76,11 +79,14 @@ def test_the_kernel_reads_low_precision_logits_in_either_layout(device):
     torch.manual_seed(0)
     S, E, k = 3, 9, 4
     logits = torch.randn(S + E + 2, 70, device=device).to(torch.bfloat16)
-    ref = cuda_routing.moh_gates_cuda(logits.float(), S, E, k, True, True, 1e-7)
+    ref = cuda_routing.moh_gates_cuda(logits.float(), S, E, k, True, True, 1e-7, 35)
     token_major = logits.t().contiguous().t()  # strides (1, R): the router's matmul viewed head-major
     for form in (logits, token_major):
-        gates, keep = cuda_routing.moh_gates_cuda(form, S, E, k, True, True, 1e-7)
-        assert torch.equal(gates, ref[0]) and torch.equal(keep, ref[1])
+        gates, keep, load = cuda_routing.moh_gates_cuda(form, S, E, k, True, True, 1e-7, 35)
+        assert torch.equal(gates, ref[0]) and torch.equal(keep, ref[1]) and torch.equal(load, ref[2])
+    # two images of 35 tokens: the shared heads' load is 1, a routed head's the share of tokens that chose it
+    expected = torch.cat([torch.ones(2, S, device=device), keep.view(E, 2, 35).mean(2).t()], 1)
+    assert torch.equal(load, expected)
     # the gates of a token: softmax over the shared logits times 2 * alpha0 * S, and k routed heads
     # renormalised to 2 * alpha1 * k
     alpha = torch.softmax(logits[-2:].float(), 0) * 2
@@ -95,7 +101,7 @@ def test_ties_go_to_the_lower_head_and_nan_stays_in_its_token(device):
     logits = torch.zeros(E, 3, device=device)  # token 0: all equal
     logits[:, 1] = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 2.0])  # token 1: head 5, then 1 over 2 and 3
     logits[2, 2] = float("nan")
-    gates, keep = cuda_routing.moh_gates_cuda(logits, S, E, k, False, False, 1e-7)
+    gates, keep, _ = cuda_routing.moh_gates_cuda(logits, S, E, k, False, False, 1e-7, 3)
     assert keep[:, 0].tolist() == [1, 1, 0, 0, 0, 0]
     assert keep[:, 1].tolist() == [0, 1, 0, 0, 0, 1]
     assert gates[2].isnan().all() and gates[:2].isfinite().all()
@@ -103,7 +109,9 @@ def test_ties_go_to_the_lower_head_and_nan_stays_in_its_token(device):
 
 def test_a_budget_that_does_not_match_the_logits_is_refused(device):
     with pytest.raises(ValueError, match="logits have 5 rows.*needs 6"):
-        cuda_routing.moh_gates_cuda(torch.zeros(5, 4, device=device), 2, 2, 1, True, True, 1e-7)
+        cuda_routing.moh_gates_cuda(torch.zeros(5, 4, device=device), 2, 2, 1, True, True, 1e-7, 4)
+    with pytest.raises(ValueError, match="6 tokens are not whole images of tokens=4"):
+        cuda_routing.moh_gates_cuda(torch.zeros(6, 6, device=device), 2, 2, 1, True, True, 1e-7, 4)
 
 
 def test_the_pytorch_routing_runs_where_the_kernel_does_not_apply(device, calls):

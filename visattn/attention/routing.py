@@ -371,14 +371,14 @@ class HeadRouter(nn.Module):
         S, E = self.shared_heads, self.pool
         head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
         if cuda_gates is not None:
-            if head_choice or (self.training and E > 0) or needs_grad(self, x):  # no backward, no balancing loss
+            if head_choice or N == 0 or (self.training and E > 0) or needs_grad(self, x):  # no backward, no aux loss
                 return None
             if logits is None:
                 logits = self._logits(x, float32=False)  # the kernel reads any float dtype
             assert logits is not None
             budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-            gates, keep = cuda_gates(logits, *budget)
-            return self._gates_out(gates, keep, B, N, selection)
+            gates, keep, load = cuda_gates(logits, *budget, N)
+            return self._gates_out(gates, keep, B, N, selection, load)
         if head_choice and (N == 0 or needs_grad(self, x)):
             return None  # head choice's compiled gates have no backward
         if logits is None:
@@ -398,11 +398,16 @@ class HeadRouter(nn.Module):
 
     @torch.jit.unused
     def _gates_out(
-        self, gates: torch.Tensor, keep: torch.Tensor, B: int, N: int, selection: bool
+        self, gates: torch.Tensor, keep: torch.Tensor, B: int, N: int, selection: bool,
+        load: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The kernels' gates [B*N, H] and keep [E, B*N] as ``forward`` returns them (recording the head load)."""
+        """The kernels' gates [B*N, H] and keep [E, B*N] as ``forward`` returns them, recording the head load
+        (``load`` [B, H] where the kernel computed it)."""
         S = self.shared_heads
-        self.head_load = image_head_load(keep, B, N, S) if keeps_stats() else None
+        if not keeps_stats():
+            self.head_load = None
+        else:
+            self.head_load = load if load is not None else image_head_load(keep, B, N, S)
         if not selection:
             return gates.view(B, N, self.num_heads), None
         chosen = torch.cat([keep.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
