@@ -55,7 +55,12 @@ def test_attention_mode_writes_json_and_table(tmp_path, capsys):
     assert "| moh-50 | 2/4 |" in capsys.readouterr().out
 
 
-def test_model_mode_runs_a_tiny_vit(tmp_path, capsys):
+def test_model_mode_runs_a_tiny_vit(tmp_path, capsys, monkeypatch):
+    import visattn.attention.fused_gating as fused_gating
+
+    seen = []  # whether each forward's routing found the kernels on
+    real = fused_gating.moh_routing_op
+    monkeypatch.setattr(fused_gating, "moh_routing_op", lambda: seen.append(real() is not None) or real())
     out = tmp_path / "models.json"
     main(
         [
@@ -76,13 +81,16 @@ def test_model_mode_runs_a_tiny_vit(tmp_path, capsys):
             "--threads",
             "1",
             "--no-memory",
+            "--compare-kernels",
             "--out",
             str(out),
         ]
     )
     rows = json.loads(out.read_text())["rows"]
-    assert [r["label"] for r in rows] == ["mha", "moh-50"]
-    assert rows[1]["active_heads"] == [24, 48]  # 6 layers of 8 heads, 4 active
+    assert [r["label"] for r in rows] == ["mha", "moh-50", "moh-50 pytorch"]  # the last with the kernels off
+    assert rows[1]["active_heads"] == rows[2]["active_heads"] == [24, 48]  # 6 layers of 8 heads, 4 active
+    if real() is not None:
+        assert True in seen and False in seen
     assert all(r["infer_images_per_s"] > 0 and r["train_images_per_s"] > 0 for r in rows)
     assert "vit_digits" in capsys.readouterr().out
 

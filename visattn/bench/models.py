@@ -148,7 +148,8 @@ def run_model_bench(
             continue
         cases = {a: (AttentionCase(a, a), (preset, a, batch)) for a in attns}
         if compare_kernels:
-            cases |= {f"{a} pytorch": (AttentionCase(f"{a} pytorch", a), (preset, a, batch, 0, False)) for a in attns[1:]}
+            off = {f"{a} pytorch": (AttentionCase(f"{a} pytorch", a), (preset, a, batch, 0, False)) for a in attns[1:]}
+            cases |= off
         measured = measure_cases(
             cases,
             build_model_workload,

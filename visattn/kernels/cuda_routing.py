@@ -10,9 +10,9 @@ logits is a kernel of its own), and each image's head load (the statistic every 
 more kernels otherwise). One program per image, so the load is summed in order, exactly.
 
 There is no backward: training runs the PyTorch code (``HeadRouter.forward``), which the tests hold equal
-to this kernel. Triton ships with PyTorch's CUDA builds; without it the PyTorch code runs. With ``TRITON_INTERPRET=1`` set
-before triton is imported, the kernel runs on CPU tensors in Triton's interpreter (how the tests check it on
-machines without a GPU).
+to this kernel. Triton ships with PyTorch's CUDA builds; without it the PyTorch code runs. With
+``TRITON_INTERPRET=1`` set before triton is imported, the kernel runs on CPU tensors in Triton's interpreter
+(how the tests check it on machines without a GPU).
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ if triton is not None:
             ei = tl.arange(0, E_PAD)
             pool = ei[:, None] < E
             rows = pool & live[None, :]
-            lr = tl.load(L + (ROUTED0 + ei[:, None]) * stride_r + src[None, :] * stride_t, mask=pool, other=float("-inf"))
+            routed_rows = L + (ROUTED0 + ei[:, None]) * stride_r
+            lr = tl.load(routed_rows + src[None, :] * stride_t, mask=pool, other=float("-inf"))
             lr = lr.to(tl.float32)
             p = tl.exp(lr - tl.max(lr, 0)[None, :])
             p = tl.where(pool, p, 0.0)

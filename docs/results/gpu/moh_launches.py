@@ -39,7 +39,8 @@ def variants(heads: int) -> dict[str, tuple[tuple[str, dict], bool]]:
         shared, topk = moh_budget(heads, pct / 100)
         out[f"moh-{pct} masked dense"] = (("moh", dict(shared_heads=shared, routed_topk=topk, impl="dense")), True)
     shared, topk = moh_budget(heads, 0.5)
-    out["moh-50 masked dense, pytorch routing"] = (("moh", dict(shared_heads=shared, routed_topk=topk, impl="dense")), False)
+    dense = ("moh", dict(shared_heads=shared, routed_topk=topk, impl="dense"))
+    out["moh-50 masked dense, pytorch routing"] = (dense, False)
     out["moh-50 auto"] = (("moh", dict(shared_heads=shared, routed_topk=topk, impl="auto")), True)
     out["moh-50 head choice, head_gather"] = (
         ("moh", dict(shared_heads=shared, routed_topk=topk, routing="head_choice", impl="head_gather")), True)
