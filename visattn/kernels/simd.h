@@ -28,6 +28,10 @@ namespace visattn {
 constexpr int64_t kLanes = 16;
 typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t int_lanes_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+// Eight floats: one AVX2 register. GCC 12 compiles compares and selects on lanes_t (the max and exp's clamp)
+// into scalar code in the AVX2 clone, so loops that must vectorise there use these.
+typedef float lanes8_t __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t int_lanes8_t __attribute__((vector_size(8 * sizeof(int32_t))));
 
 // exp(x) for a softmax's x = value - max <= 0, branch-free (Cody-Waite range reduction, degree-6
 // polynomial: within 2 ulp of expf). Below -87 it returns exp(-87) ~ 1.6e-38 instead of a denormal or 0
@@ -58,6 +62,7 @@ __attribute__((always_inline)) inline F exp_le0_impl(F x) {
 }
 __attribute__((always_inline)) inline float exp_le0(float x) { return exp_le0_impl<float, int32_t>(x); }
 __attribute__((always_inline)) inline lanes_t exp_le0(lanes_t x) { return exp_le0_impl<lanes_t, int_lanes_t>(x); }
+__attribute__((always_inline)) inline lanes8_t exp_le0(lanes8_t x) { return exp_le0_impl<lanes8_t, int_lanes8_t>(x); }
 
 // Whether this CPU runs the VISATTN_AVX512 code.
 inline bool avx512_runs() {
