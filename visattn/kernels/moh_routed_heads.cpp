@@ -69,26 +69,26 @@ using visattn::softmax_row;
 // Columns of b are padded to a multiple of kLanes (one AVX-512 register): small_gemm reads whole blocks.
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// RB rows of c, NB column blocks (NB * 16 <= 64): the accumulators are RB * NB registers and the rows'
-// multiply-adds are independent, so neither latency nor loads and stores of c bound the loop. Row r
-// of a is a[r], of c is c[r]; with `add`, c[r] += the product instead of being set to it.
-template <int RB, int NB>
-__attribute__((always_inline)) inline void small_block(int64_t k, float alpha, const float* const* a, const float* b,
-                                                       int64_t ldb, float* const* c, int64_t ncols, bool add) {
-  lanes_t acc[RB][NB];
+// RB rows of c, NB column blocks of a vector type F of W floats: the accumulators are RB * NB registers and
+// the rows' multiply-adds are independent, so neither latency nor loads and stores of c bound the loop. Row
+// r of a is a[r], of c is c[r]; with `add`, c[r] += the product instead of being set to it.
+template <typename F, int W, int RB, int NB>
+VISATTN_INLINE void small_block(int64_t k, float alpha, const float* const* a, const float* b, int64_t ldb,
+                                float* const* c, int64_t ncols, bool add) {
+  F acc[RB][NB];
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = lanes_t{};
+    for (int j = 0; j < NB; ++j) acc[r][j] = F{};
   for (int64_t kk = 0; kk < k; ++kk) {
-    lanes_t bv[NB];
-    for (int j = 0; j < NB; ++j) std::memcpy(&bv[j], b + kk * ldb + j * kLanes, sizeof(lanes_t));
+    F bv[NB];
+    for (int j = 0; j < NB; ++j) std::memcpy(&bv[j], b + kk * ldb + j * W, sizeof(F));
     for (int r = 0; r < RB; ++r) {
       const float av = a[r][kk];
       for (int j = 0; j < NB; ++j) acc[r][j] += av * bv[j];
     }
   }
-  float out[NB * kLanes];
+  float out[NB * W];
   for (int r = 0; r < RB; ++r) {
-    for (int j = 0; j < NB; ++j) std::memcpy(out + j * kLanes, &acc[r][j], sizeof(lanes_t));
+    for (int j = 0; j < NB; ++j) std::memcpy(out + j * W, &acc[r][j], sizeof(F));
     if (add)
       for (int64_t j = 0; j < ncols; ++j) c[r][j] += alpha * out[j];
     else
@@ -96,16 +96,49 @@ __attribute__((always_inline)) inline void small_block(int64_t k, float alpha, c
   }
 }
 
-template <int RB>
-__attribute__((always_inline)) inline void small_rows(int64_t nb, int64_t k, float alpha, const float* const* a,
-                                                      const float* b, int64_t ldb, float* const* c, int64_t ncols,
-                                                      bool add) {
-  switch (nb) {
-    case 1: small_block<RB, 1>(k, alpha, a, b, ldb, c, ncols, add); break;
-    case 2: small_block<RB, 2>(k, alpha, a, b, ldb, c, ncols, add); break;
-    case 3: small_block<RB, 3>(k, alpha, a, b, ldb, c, ncols, add); break;
-    default: small_block<RB, 4>(k, alpha, a, b, ldb, c, ncols, add); break;
+template <typename F, int W, int RB, int NB_MAX>
+VISATTN_INLINE void small_rows(int64_t nb, int64_t k, float alpha, const float* const* a, const float* b,
+                               int64_t ldb, float* const* c, int64_t ncols, bool add) {
+  if constexpr (NB_MAX > 1) {
+    if (nb < NB_MAX) return small_rows<F, W, RB, NB_MAX - 1>(nb, k, alpha, a, b, ldb, c, ncols, add);
   }
+  small_block<F, W, RB, NB_MAX>(k, alpha, a, b, ldb, c, ncols, add);
+}
+
+// small_gemm's loops over blocks of 4 rows and NB_MAX * W columns.
+template <typename F, int W, int NB_MAX>
+VISATTN_INLINE void small_gemm_blocks(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                                      const int64_t* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                      const int64_t* c_rows, bool add) {
+  const float* ar[4];
+  float* cr[4];
+  for (int64_t j0 = 0; j0 < n; j0 += NB_MAX * W) {
+    const int64_t ncols = std::min<int64_t>(NB_MAX * W, n - j0), nb = (ncols + W - 1) / W;
+    for (int64_t i = 0; i < m; i += 4) {
+      const int rb = static_cast<int>(std::min<int64_t>(4, m - i));
+      for (int r = 0; r < rb; ++r) {
+        ar[r] = a + (a_rows ? a_rows[i + r] : i + r) * lda;
+        cr[r] = c + (c_rows ? c_rows[i + r] : i + r) * ldc + j0;
+      }
+      if (rb == 4) small_rows<F, W, 4, NB_MAX>(nb, k, alpha, ar, b + j0, ldb, cr, ncols, add);
+      else
+        for (int r = 0; r < rb; ++r) small_rows<F, W, 1, NB_MAX>(nb, k, alpha, ar + r, b + j0, ldb, cr + r, ncols, add);
+    }
+  }
+}
+
+// On AVX-512 CPUs: 4 x 4 sixteen-float accumulators, half the registers.
+VISATTN_SIMD_CLONES void small_gemm_sixteens(int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                                             int64_t lda, const int64_t* a_rows, const float* b, int64_t ldb,
+                                             float* c, int64_t ldc, const int64_t* c_rows, bool add) {
+  small_gemm_blocks<lanes_t, kLanes, 4>(m, n, k, alpha, a, lda, a_rows, b, ldb, c, ldc, c_rows, add);
+}
+
+// Elsewhere 4 x 3 eight-float accumulators: the sixteen-float blocks would take 32 of AVX2's 16 registers.
+VISATTN_SIMD_CLONES void small_gemm_eights(int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                                           int64_t lda, const int64_t* a_rows, const float* b, int64_t ldb,
+                                           float* c, int64_t ldc, const int64_t* c_rows, bool add) {
+  small_gemm_blocks<visattn::lanes8_t, 8, 3>(m, n, k, alpha, a, lda, a_rows, b, ldb, c, ldc, c_rows, add);
 }
 
 // c[m, n] = alpha * a[m, k] @ b[k, n] (ldb), float32, for operands too small for a BLAS call to pay.
@@ -113,24 +146,10 @@ __attribute__((always_inline)) inline void small_rows(int64_t nb, int64_t k, flo
 // chosen tokens' rows and adding into them need no copies; with `add` the product is added to c. b
 // must be readable for padded(n) columns per row (the callers pad their copies); the padding only feeds
 // accumulator lanes that are never written. Sums in k order: no reassociation, so no -ffast-math.
-VISATTN_SIMD_CLONES void small_gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                                    const int64_t* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
-                                    const int64_t* c_rows, bool add) {
-  const float* ar[4];
-  float* cr[4];
-  for (int64_t j0 = 0; j0 < n; j0 += 4 * kLanes) {
-    const int64_t ncols = std::min<int64_t>(4 * kLanes, n - j0), nb = padded(ncols) / kLanes;
-    for (int64_t i = 0; i < m; i += 4) {
-      const int rb = static_cast<int>(std::min<int64_t>(4, m - i));
-      for (int r = 0; r < rb; ++r) {
-        ar[r] = a + (a_rows ? a_rows[i + r] : i + r) * lda;
-        cr[r] = c + (c_rows ? c_rows[i + r] : i + r) * ldc + j0;
-      }
-      if (rb == 4) small_rows<4>(nb, k, alpha, ar, b + j0, ldb, cr, ncols, add);
-      else
-        for (int r = 0; r < rb; ++r) small_rows<1>(nb, k, alpha, ar + r, b + j0, ldb, cr + r, ncols, add);
-    }
-  }
+void small_gemm(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const int64_t* a_rows,
+                const float* b, int64_t ldb, float* c, int64_t ldc, const int64_t* c_rows, bool add) {
+  if (visattn::avx512_runs()) small_gemm_sixteens(m, n, k, alpha, a, lda, a_rows, b, ldb, c, ldc, c_rows, add);
+  else small_gemm_eights(m, n, k, alpha, a, lda, a_rows, b, ldb, c, ldc, c_rows, add);
 }
 
 // [rows, cols] (row stride ld) -> [cols, padded(rows)] in `out` (transposed, rows padded with zeros).

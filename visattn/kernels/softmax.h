@@ -77,7 +77,9 @@ VISATTN_INLINE float exp_row_vectors(float* row, int64_t n) {
 }
 
 // exp_row for a long row on an AVX-512 CPU: sixteen floats a block.
-static VISATTN_SIMD_CLONES float exp_row_blocks(float* row, int64_t n) { return exp_row_vectors<lanes_t, kLanes>(row, n); }
+static VISATTN_SIMD_CLONES float exp_row_blocks(float* row, int64_t n) {
+  return exp_row_vectors<lanes_t, kLanes>(row, n);
+}
 
 // exp_row on a CPU without AVX-512, any row: eight floats a block. On an AMD Zen 3 (AVX2) its clone ran rows of
 // 17-256 scores 4-7x faster than exp_row_short's and exp_row_blocks', which GCC compiles to scalar code there
