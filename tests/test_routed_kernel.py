@@ -3,6 +3,10 @@ equal to the masked dense path and to its PyTorch fallback (sparse_projections),
 accepts; where it runs and where the fallback runs instead. No timing is asserted (docs/benchmarks.md
 has those)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -262,10 +266,62 @@ def test_the_fused_attention_runs_where_the_cpu_has_avx512():
     if kernels.moh_routing_op() is None:
         pytest.skip("no C++ toolchain: no kernels")
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    avx512 = "avx512f" in flags and "fma" in flags
+    avx512 = "avx512f" in flags and "fma" in flags and os.environ.get(kernels.AVX2_ONLY_ENV) != "1"
     fused = torch.ops.visattn.moh_fused_attention
     assert [fused(d) for d in (16, 32, 48, 64)] == [avx512] * 4
     assert not any(fused(d) for d in (8, 12, 24, 72, 80, 128))
+
+
+# Run with VISATTN_KERNELS_AVX2=1: every kernel path of a MoH layer against masked dense, in inference and
+# (routed_kernel_loops) training; heads 12 wide over 17 tokens (exp_row's short rows, small_gemm's narrow
+# blocks) and 64 wide over 70 tokens (rows past 64, the MKL attention fused_attention.h takes on AVX-512).
+AVX2_SCRIPT = """
+import torch
+import visattn.kernels as kernels
+from visattn.attention import build_attention
+from visattn.attention.moh import PATHS
+
+assert kernels.moh_routing_op() is not None
+assert not torch.ops.visattn.moh_fused_attention(64), "VISATTN_KERNELS_AVX2=1 left the AVX-512 attention on"
+assert kernels.build_id().endswith("+avx2")
+checked = []
+for dim, heads, tokens in ((96, 8, 17), (128, 2, 70)):
+    torch.manual_seed(0)
+    dense = build_attention("moh", dim, num_heads=heads, shared_heads=1, routed_topk=max(1, heads // 2))
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(3, tokens, dim)
+    dense.eval()
+    with torch.no_grad():
+        ref = PATHS['masked_dense'](dense, x)
+        for path in ("routed_kernel", "routed_kernel_loops", "routed_kernel_dense", "masked_kernel_loops"):
+            tol = 1e-5 * ref.abs().max().item()  # float32 rounding of sums in another order
+            torch.testing.assert_close(PATHS[path](dense, x), ref, rtol=1e-5, atol=tol, msg=path)
+            checked.append(path)
+    fast = build_attention("moh", dim, num_heads=heads, shared_heads=1, routed_topk=max(1, heads // 2))
+    fast.load_state_dict(dense.state_dict())
+    fast.train_path = "routed_kernel_loops"
+    grads = []
+    for layer in (dense.train(), fast.train()):
+        xg = x.clone().requires_grad_()
+        layer(xg).square().mean().backward()
+        grads.append([xg.grad] + [p.grad for p in layer.parameters()])
+    assert fast.last_path == "routed_kernel_loops"
+    for a, b in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item())
+print("checked", len(checked))
+"""
+
+
+def test_the_avx2_code_equals_masked_dense_on_any_cpu(kernel):
+    """The kernels' code for CPUs without AVX-512 (eight-float exp_row and small_gemm, the MKL attention),
+    forced with VISATTN_KERNELS_AVX2=1 in a fresh process (the choice is made once per process), so that
+    an AVX-512 machine checks it too."""
+    env = {**os.environ, kernels.AVX2_ONLY_ENV: "1"}
+    done = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked 8" in done.stdout
 
 
 def _amx_or_skip() -> None:

@@ -25,6 +25,8 @@ The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds
 and processor architecture; processes starting together wait on one build (cpp_extension's lock). Without a
 compiler, or with ``VISATTN_KERNELS=0``, every caller gets None and runs the PyTorch path, which
 the tests check equal. ``python -m visattn.kernels`` builds it ahead (``make`` does at install).
+With ``VISATTN_KERNELS_AVX2=1`` (``AVX2_ONLY_ENV``) the CPU kernels run what they run on a CPU without
+AVX-512 (and so without AMX) on any CPU: their AVX2 paths and loops, tested on an AVX-512 machine too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from filelock import FileLock  # torch's own dependency, and the lock its cpp_ex
 
 log = logging.getLogger(__name__)
 
+AVX2_ONLY_ENV = "VISATTN_KERNELS_AVX2"
 SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
 HEADERS = [
     Path(__file__).with_name(name)
@@ -78,7 +81,9 @@ def _build_name() -> str:
 def build_id() -> str | None:
     """The name of the kernels' build this process loaded (it changes with their source, flags and torch),
     or None where they are off or failed: what a cached measurement of them depends on."""
-    return None if _OFF.get() or not _load() else _build_name()
+    if _OFF.get() or not _load():
+        return None
+    return _build_name() + ("+avx2" if os.environ.get(AVX2_ONLY_ENV) == "1" else "")
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -64,10 +65,16 @@ __attribute__((always_inline)) inline float exp_le0(float x) { return exp_le0_im
 __attribute__((always_inline)) inline lanes_t exp_le0(lanes_t x) { return exp_le0_impl<lanes_t, int_lanes_t>(x); }
 __attribute__((always_inline)) inline lanes8_t exp_le0(lanes8_t x) { return exp_le0_impl<lanes8_t, int_lanes8_t>(x); }
 
-// Whether this CPU runs the VISATTN_AVX512 code.
+// Whether this CPU runs the VISATTN_AVX512 code. VISATTN_KERNELS_AVX2=1 in the environment says no on any CPU:
+// the kernels then take the paths and loops of a CPU without AVX-512 (those without AMX too), so that an
+// AVX-512 machine tests them as well (visattn.kernels.AVX2_ONLY_ENV).
 inline bool avx512_runs() {
 #if VISATTN_HAS_AVX512_CODE
-  static const bool runs = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  static const bool runs = [] {
+    const char* avx2_only = std::getenv("VISATTN_KERNELS_AVX2");
+    if (avx2_only && std::strcmp(avx2_only, "1") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  }();
   return runs;
 #else
   return false;
