@@ -35,9 +35,9 @@ def calls(monkeypatch):
     """The kernel's calls, counted (None still where ``kernels.moh_cuda_gates_op`` says so)."""
     seen = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         seen.append(1)
-        return cuda_routing.moh_gates_cuda(*args)
+        return cuda_routing.moh_gates_cuda(*args, **kwargs)
 
     monkeypatch.setattr("visattn.attention.routing.moh_cuda_gates_op",
                         lambda: None if kernels.moh_cuda_gates_op() is None else counted)
@@ -116,19 +116,82 @@ def test_a_budget_that_does_not_match_the_logits_is_refused(device):
 
 def test_the_pytorch_routing_runs_where_the_kernel_does_not_apply(device, calls):
     x = torch.randn(2, 9, 48, device=device)
-    layer = _layer(8, 2, 2, True, device)
-    layer.train()(x)  # training: gradients and the load-balancing loss
-    assert layer.router.aux_loss is not None
-    layer.eval()(x.requires_grad_())  # gradients to x
     with torch.no_grad():
         _layer(8, 2, 2, True, device, routing="head_choice")(x)
         _layer(8, 2, 2, False, device, gate="binary_ste")(x)
+        _layer(8, 2, 2, False, device, router="l2norm")(x)
         with kernels.disabled():
             _layer(8, 2, 2, True, device)(x)
     assert calls == []
+    layer = _layer(8, 2, 2, True, device)
+    layer.train()(x)  # training: gradients and the load-balancing loss (RoutedGatesCuda)
+    assert layer.router.aux_loss is not None and layer.router.aux_loss.requires_grad
+    layer.eval()(x.requires_grad_())  # gradients to x
     with torch.no_grad():
         layer.eval()(x)
-    assert calls == [1]
+    assert calls == [1, 1, 1]
+
+
+def _train_step(router, x, w, aux_weight):
+    """gates [B, N, H] of a training forward and the gradients of (gates * w).sum() + aux_weight * aux with
+    respect to x and the router's parameters."""
+    gates, _ = router(x, None, selection=False)
+    aux = router.aux_loss if aux_weight else None
+    loss = (gates * w).sum() + (aux_weight * aux if aux is not None else 0.0)
+    params = [p for p in router.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [x, *params], allow_unused=True)
+    return gates.detach(), None if aux is None else aux.detach(), router.head_load, grads
+
+
+@pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)
+def test_triton_training_gates_and_gradients_equal_the_pytorch_routing(device, calls, heads, shared, topk,
+                                                                       two_stage):
+    torch.manual_seed(heads * 10 + topk)
+    layer = _layer(heads, shared, topk, two_stage, device).train()
+    with torch.no_grad():
+        for p in layer.router.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # logits spread out: uneven loads, kept sums far from eps
+    x = (torch.randn(2, 37, 48, device=device) * 3).requires_grad_()  # 37 tokens: a partial block
+    w = torch.randn(2, 37, heads, device=device)
+    gates, aux, load, grads = _train_step(layer.router, x, w, 3.0)
+    with kernels.disabled():
+        ref_gates, ref_aux, ref_load, ref_grads = _train_step(layer.router, x, w, 3.0)
+    assert len(calls) == 1
+    torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+    assert torch.equal(load, ref_load)
+    assert (aux is None) == (ref_aux is None) == (topk == 0)
+    if aux is not None:
+        torch.testing.assert_close(aux, ref_aux, rtol=1e-5, atol=1e-7)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert (grad is None) == (ref is None)
+        if grad is not None:
+            torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_backward_keeps_the_logits_dtype_and_layout(device):
+    from visattn.attention.fused_gating import RoutedGatesCuda
+
+    torch.manual_seed(0)
+    budget = (2, 6, 2, True, True, 1e-7)  # S, E, k, two_stage, shared_routed, eps
+    T, R = 40, 2 + 6 + 2
+    token_major = (torch.randn(T, R, device=device) * 2).t()  # [R, T] with strides (1, R), as the router's
+    w = torch.randn(T, 8, device=device)
+    grads = []
+    for logits in (token_major.bfloat16(), token_major.float()):
+        logits = logits.detach().requires_grad_()
+        gates, keep, load, aux = RoutedGatesCuda.apply(logits, cuda_routing.moh_gates_cuda, budget, 20, True)
+        ((gates * w).sum() + aux).backward()
+        assert not keep.requires_grad and not load.requires_grad and load.shape == (2, 8)
+        grads.append(logits.grad)
+    low, full = grads
+    assert low.dtype == torch.bfloat16 and low.stride() == (1, R) and full.stride() == (1, R)
+    bf16_inputs = token_major.bfloat16().float().detach().requires_grad_()
+    gates, _, _, aux = RoutedGatesCuda.apply(bf16_inputs, cuda_routing.moh_gates_cuda, budget, 20, True)
+    ((gates * w).sum() + aux).backward()
+    # the same float32 gradient, stored in bf16 (one bf16 step: the interpreter's rounding may differ)
+    torch.testing.assert_close(low.float(), bf16_inputs.grad, rtol=2**-7, atol=1e-6)
+    with pytest.raises(ValueError, match=r"keep \(5, 40\).*expected \(6, 40\)"):
+        cuda_routing.moh_gates_backward_cuda(full, keep[:5], w, None, *budget)
 
 
 def test_cpu_tensors_never_take_the_gpu_kernel():
@@ -137,17 +200,40 @@ def test_cpu_tensors_never_take_the_gpu_kernel():
     assert not eager_cuda_gates(torch.zeros(2, 3, 4))
 
 
-@pytest.mark.skipif(not GPU, reason="needs a GPU: a whole model under bf16 autocast")
-def test_a_moh_vit_in_bf16_on_the_gpu_equals_its_pytorch_routing(calls):
+def _gpu_vit():
+    """A MoH ViT-S/16 on the GPU (every layer on the masked dense path) and a batch of 4 images."""
     import timm
 
     torch.manual_seed(0)
     model = timm.create_model("visattn_vit_small_patch16_224", attn={"name": "moh", "impl": "dense"}, num_classes=10)
-    model = model.cuda().eval()
-    x = torch.randn(4, 3, 224, 224, device="cuda")
+    return model.cuda(), torch.randn(4, 3, 224, 224, device="cuda")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: a whole model under bf16 autocast")
+def test_a_moh_vit_in_bf16_on_the_gpu_equals_its_pytorch_routing(calls):
+    model, x = _gpu_vit()
+    model.eval()
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         out = model(x)
         with kernels.disabled():
             ref = model(x)
     assert len(calls) == len(model.blocks)
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)  # the gates rounded to bf16
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: a whole model's training step under bf16 autocast")
+def test_a_moh_vit_training_step_in_bf16_on_the_gpu_equals_its_pytorch_routing(calls):
+    model, x = _gpu_vit()
+    model.train()
+    grads = []
+    for off in (False, True):
+        model.zero_grad(set_to_none=True)
+        with kernels.disabled() if off else torch.enable_grad(), torch.autocast("cuda", torch.bfloat16):
+            loss = model(x).float().square().mean()
+            loss = loss + 0.01 * sum(block.attn.router.aux_loss for block in model.blocks)
+        loss.backward()
+        grads.append({name: p.grad.float() for name, p in model.named_parameters() if "router" in name})
+    assert len(calls) == len(model.blocks)
+    for name, grad in grads[0].items():
+        ref = grads[1][name]
+        torch.testing.assert_close(grad, ref, rtol=0.05, atol=0.05 * ref.abs().max().item(), msg=name)

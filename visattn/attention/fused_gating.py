@@ -46,7 +46,7 @@ def eager_cpu_kernels(x: torch.Tensor) -> bool:
 def eager_cuda_gates(x: torch.Tensor) -> bool:
     """Whether the Triton gates (``visattn.kernels.moh_cuda_gates_op``, where Triton is installed) may replace
     the PyTorch routing for x: an eager CUDA tensor, outside ``torch.compile``, fx tracing, ``torch.func``
-    and Python dispatch modes (the caller checks that no gradient is needed: the kernel has no backward)."""
+    and Python dispatch modes (with gradients through ``RoutedGatesCuda``)."""
     return (
         type(x) is torch.Tensor
         and x.device.type == "cuda"
@@ -85,6 +85,44 @@ class RoutedGates(torch.autograd.Function):
         grad = torch.ops.visattn.moh_gates_backward(logits, keep, grad_gates, aux_grad, S, E, k, two_stage,
                                                     shared_routed, eps)
         return grad, None, None
+
+
+class RoutedGatesCuda(torch.autograd.Function):
+    """The Triton gates on a GPU (``gates_op``: ``visattn.kernels.moh_cuda_gates_op()``) with their backward
+    (``cuda_routing.moh_gates_backward_cuda``): ``RoutedGates`` for CUDA tensors, for training.
+
+    forward(logits [R, T] (any float dtype and strides), gates_op, budget (S, E, k, two_stage, shared_routed,
+    eps), tokens (per image), with_aux) -> (gates [T, S + E] float32, keep [E, T] and each image's head load
+    [B, S + E] (neither differentiable), the load-balancing loss as ``RoutedGates`` gives it (0 without
+    ``with_aux``)).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, gates_op, budget: tuple, tokens: int, with_aux: bool):
+        gates, keep, load, prob_sums = gates_op(logits, *budget, tokens, prob_sums=True)
+        S, E = budget[0], budget[1]
+        T = logits.shape[1]
+        share = load[:, S:].mean(0)  # f_e: every image has `tokens` tokens, so the mean of the images' shares
+        aux = (share * prob_sums.sum(0)).sum() * (E / T) if with_aux else gates.new_zeros(())
+        ctx.save_for_backward(logits, keep, share)
+        ctx.budget, ctx.with_aux = budget, with_aux
+        ctx.mark_non_differentiable(keep, load)
+        return gates, keep, load, aux
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_gates, _grad_keep, _grad_load, grad_aux):
+        from visattn.kernels.cuda_routing import moh_gates_backward_cuda
+
+        logits, keep, share = ctx.saved_tensors
+        S, E = ctx.budget[0], ctx.budget[1]
+        T = logits.shape[1]
+        if grad_gates is None:
+            grad_gates = keep.new_zeros((T, S + E))
+        # d aux / d P[e, t] = E * f_e / T for every token
+        aux_grad = share * (grad_aux * E / T) if ctx.with_aux and grad_aux is not None else None
+        grad = moh_gates_backward_cuda(logits, keep, grad_gates, aux_grad, *ctx.budget)
+        return grad, None, None, None, None
 
 
 def routed_gates(logits: torch.Tensor, budget: tuple, with_aux: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from timm.layers import register_notrace_function
 
 from visattn.kernels import moh_cuda_gates_op
 
-from .fused_gating import eager_cpu_kernels, eager_cuda_gates, needs_grad, routed_gates
+from .fused_gating import RoutedGatesCuda, eager_cpu_kernels, eager_cuda_gates, needs_grad, routed_gates
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -354,12 +354,12 @@ class HeadRouter(nn.Module):
     def _compiled_gates(
         self, x: torch.Tensor, selection: bool, logits: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``forward``'s result from the compiled kernels (``visattn.kernels``; on a CPU with gradients
-        through ``RoutedGates``, which also gives the load-balancing loss), or None where the PyTorch code
-        below runs: binary gates, the l2norm router, a dense layer of one shared head; on a CPU head
-        choice with gradients, and where ``eager_cpu_kernels`` says no (torch.compile / fx tracing, a
-        Python dispatch mode such as the FLOP counter, no kernel on this machine); on a GPU
-        (``eager_cuda_gates``) head choice, training and anything needing gradients."""
+        """``forward``'s result from the compiled kernels (``visattn.kernels``; with gradients through
+        ``RoutedGates`` on a CPU and ``RoutedGatesCuda`` on a GPU, which also give the load-balancing loss), or
+        None where the PyTorch code below runs: binary gates, the l2norm router, a dense layer of one shared
+        head; head choice with gradients (on a GPU head choice at all), and where ``eager_cpu_kernels`` or
+        ``eager_cuda_gates`` says no (torch.compile / fx tracing, a Python dispatch mode such as the FLOP
+        counter, no kernel on this machine)."""
         # a dense layer (routed_topk=0) has no pool: its soft weights need the shared router
         linear = self.routed is not None or (self.pool == 0 and self.shared is not None)
         if self.gate_mode != "soft" or not linear:
@@ -371,13 +371,19 @@ class HeadRouter(nn.Module):
         S, E = self.shared_heads, self.pool
         head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
         if cuda_gates is not None:
-            if head_choice or N == 0 or (self.training and E > 0) or needs_grad(self, x):  # no backward, no aux loss
+            if head_choice or N == 0:
                 return None
             if logits is None:
                 logits = self._logits(x, float32=False)  # the kernel reads any float dtype
             assert logits is not None
             budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-            gates, keep, load = cuda_gates(logits, *budget, N)
+            balanced = self.training and E > 0  # the load-balancing loss of a routed pool
+            if balanced or needs_grad(self, x):
+                gates, keep, load, aux = RoutedGatesCuda.apply(logits, cuda_gates, budget, N, balanced)
+                if balanced:
+                    self.aux_loss = aux
+            else:
+                gates, keep, load = cuda_gates(logits, *budget, N)
             return self._gates_out(gates, keep, B, N, selection, load)
         if head_choice and (N == 0 or needs_grad(self, x)):
             return None  # head choice's compiled gates have no backward

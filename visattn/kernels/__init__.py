@@ -7,8 +7,8 @@
   mode, where the PyTorch formulation costs about 20 small operations a layer each way (half the
   routing's time at the study's sizes; docs/benchmarks.md). The same library holds head choice's
   selection (``moh_head_choice``) and the per-image head load (``moh_head_load``).
-- ``moh_cuda_gates_op()``: the same token-choice gates on a GPU, one Triton kernel (``cuda_routing.py``;
-  inference: training runs the PyTorch routing there).
+- ``moh_cuda_gates_op()``: the same token-choice gates on a GPU, one Triton kernel (``cuda_routing.py``),
+  with a Triton backward for training (``fused_gating.RoutedGatesCuda``).
 - ``moh_routed_heads_op(dtype, blas)``: the heads of a MoH layer per image, computing only the
   selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
   ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch
@@ -104,8 +104,8 @@ def moh_routing_op() -> Callable | None:
 
 
 def moh_cuda_gates_op() -> Callable | None:
-    """``visattn.kernels.cuda_routing.moh_gates_cuda`` (MoH's token-choice gates on a GPU in one Triton kernel,
-    inference only) where Triton is installed, else None (also with ``VISATTN_KERNELS=0`` and inside
+    """``visattn.kernels.cuda_routing.moh_gates_cuda`` (MoH's token-choice gates on a GPU in one Triton kernel;
+    ``moh_gates_backward_cuda`` is their backward) where Triton is installed, else None (also with ``VISATTN_KERNELS=0`` and inside
     ``disabled()``). Nothing is built ahead: Triton compiles it on the GPU at first use."""
     if _OFF.get() or os.environ.get("VISATTN_KERNELS", "1") == "0":
         return None
