@@ -249,7 +249,7 @@ def moh_gates_cuda(
     gates = torch.empty((T, H), dtype=torch.float32, device=logits.device)
     keep = torch.empty((E, T), dtype=torch.float32, device=logits.device)
     load = torch.empty((B, H), dtype=torch.float32, device=logits.device)
-    psum = torch.empty((B, E) if prob_sums else (0,), dtype=torch.float32, device=logits.device)
+    psum = torch.empty((B, E) if prob_sums else (1,), dtype=torch.float32, device=logits.device)  # (1,): unused
     if T > 0:
         e_pad, s_pad = _pad(E), _pad(S)
         block = max(16, min(128, 4096 // e_pad, triton.next_power_of_2(tokens)))
