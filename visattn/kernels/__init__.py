@@ -105,8 +105,8 @@ def moh_routing_op() -> Callable | None:
 
 def moh_cuda_gates_op() -> Callable | None:
     """``visattn.kernels.cuda_routing.moh_gates_cuda`` (MoH's token-choice gates on a GPU in one Triton kernel;
-    ``moh_gates_backward_cuda`` is their backward) where Triton is installed, else None (also with ``VISATTN_KERNELS=0`` and inside
-    ``disabled()``). Nothing is built ahead: Triton compiles it on the GPU at first use."""
+    ``moh_gates_backward_cuda`` is their backward) where Triton is installed, else None (also with
+    ``VISATTN_KERNELS=0`` and inside ``disabled()``). Nothing is built ahead: Triton compiles it on the GPU at first use."""
     if _OFF.get() or os.environ.get("VISATTN_KERNELS", "1") == "0":
         return None
     from . import cuda_routing

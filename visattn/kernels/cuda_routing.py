@@ -11,10 +11,11 @@ more kernels otherwise). One program per image, so the load is summed in order, 
 
 For training, ``moh_gates_backward_cuda`` is the gradient with respect to the logits (of the gates and of the
 load-balancing loss, which ``moh_gates_cuda(..., prob_sums=True)`` gives the sums for), as
-``torch.ops.visattn.moh_gates_backward`` is on the CPU; ``visattn.attention.fused_gating.RoutedGatesCuda`` joins
-them. The tests hold both equal to the PyTorch routing (``HeadRouter.forward``) and its autograd. Triton ships with PyTorch's CUDA builds; without it the PyTorch code runs. With
-``TRITON_INTERPRET=1`` set before triton is imported, the kernel runs on CPU tensors in Triton's interpreter
-(how the tests check it on machines without a GPU).
+``torch.ops.visattn.moh_gates_backward`` is on the CPU; ``visattn.attention.fused_gating.RoutedGatesCuda``
+joins them. The tests hold both equal to the PyTorch routing (``HeadRouter.forward``) and its autograd.
+Triton ships with PyTorch's CUDA builds; without it the PyTorch code runs. With ``TRITON_INTERPRET=1`` set
+before triton is imported, the kernels run on CPU tensors in Triton's interpreter (how the tests check them
+on machines without a GPU).
 """
 
 from __future__ import annotations
