@@ -1,6 +1,7 @@
 """The benchmark harness end to end on tiny shapes (no timing assertions)."""
 
 import json
+import types
 
 import pytest
 import torch
@@ -279,3 +280,56 @@ def test_interleaved_rounds_call_every_function_once_in_orders_that_change():
     assert len({tuple(r) for r in rounds}) > 1 and {r[0] for r in rounds} != {"a"}
     assert orders(0) == rounds and orders(1) != rounds
 
+
+
+def test_the_ratio_interval_pairs_rounds_and_covers_the_measured_ratio():
+    """What a round shares (a neighbour's load) cancels in the interval, as it does in the ratio: a variant
+    always 0.9x the reference in its round gets a tight interval, however much the rounds differ; the same
+    timings with their rounds scrambled do not."""
+    from visattn.bench.timing import ratio_interval
+
+    gen = torch.Generator().manual_seed(0)
+    load = (1 + torch.rand(41, generator=gen)).tolist()  # per round: 1x to 2x slower
+    variant = [0.9 * t for t in load]
+    low, high = ratio_interval(variant, load)
+    assert 0.9 - 1e-9 < low <= high < 0.9 + 1e-9
+    scrambled = variant[20:] + variant[:20]
+    low, high = ratio_interval(scrambled, load)
+    assert low < 0.85 and high > 0.95
+    noisy = [t * (1 + 0.2 * (float(u) - 0.5)) for t, u in zip(variant, torch.rand(41, generator=gen), strict=True)]
+    low, high = ratio_interval(noisy, load)
+    assert low < 0.9 < high and high - low < 0.1
+    assert ratio_interval(variant[:4], load[:4]) is None  # too few rounds
+    assert ratio_interval(variant, load[:-1]) is None  # not one sample per round
+    with pytest.raises(ValueError, match="confidence=95"):
+        ratio_interval(variant, load, confidence=95)
+
+
+def test_tables_print_each_ratio_with_its_interval_and_images_per_s_inverts_it():
+    from visattn.bench.report import markdown_table, ratio_cell
+
+    row = {"label": "moh-50", "dtype": "fp32", "infer_ratio": 0.8, "infer_ratio_ci": [0.75, 0.85], "train_ratio": 1.1,
+           "train_ratio_ci": None}
+    assert ratio_cell(row, "infer") == "0.800 (0.750-0.850)"
+    assert ratio_cell(row, "infer", throughput=True) == "1.250 (1.176-1.333)"
+    assert ratio_cell(row, "train") == "1.100"
+    assert ratio_cell({"label": "x"}, "train") == "-"
+    table = markdown_table([{**row, "shape": "s", "infer_ms": 1.0, "matmul_peak_gflops": 10.0}], "shape")
+    assert "| 0.800 (0.750-0.850) |" in table
+
+
+def test_measured_rows_carry_the_interval_of_every_ratio_but_the_references():
+    from visattn.bench.measure import measure_cases
+    from visattn.bench.workload import Workload
+
+    def build(scale):
+        layer = torch.nn.Linear(8, 8 * scale)
+        return Workload(layer, (torch.randn(4, 8),))
+
+    case = types.SimpleNamespace(train=False)
+    cases = {label: (case, (scale,)) for label, scale in (("one", 1), ("four", 4))}
+    rows = measure_cases(cases, build, ["fp32"], warmup=0, repeats=6, train=False, memory=False)
+    by = {r["label"]: r for r in rows}
+    assert by["one"]["infer_ratio_ci"] is None
+    low, high = by["four"]["infer_ratio_ci"]
+    assert low <= high and len(by["four"]["infer_samples_ms"]) == 6

@@ -12,7 +12,7 @@ import torch
 from visattn.utils.flops import count_flops
 
 from .memory import call_peak_mb
-from .timing import interleaved_times, matmul_peak_flops, median, synced
+from .timing import interleaved_times, matmul_peak_flops, median, ratio_interval, synced
 from .workload import DTYPES, Workload, autocast_for
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,14 @@ def _peak_memory(work: Workload, dtype_name: str, train: bool) -> dict[str, floa
 def _eager_flops(work: Workload, fn: Callable[[], object]) -> float:
     with work.eager():
         return count_flops(fn)
+
+
+def _interval(label: str, reference: str, times: dict[str, list[float]]) -> list[float] | None:
+    """The 95% interval of ``label``'s time ratio to ``reference`` (None for the reference itself)."""
+    if label == reference or reference not in times:
+        return None
+    interval = ratio_interval(times[label], times[reference])
+    return list(interval) if interval else None
 
 
 def add_images_per_s(row: dict[str, Any], batch: int) -> dict[str, Any]:
@@ -70,7 +78,9 @@ def measure_cases(
     ``clock``: "wall" or "cpu" (process CPU time; see ``timing.CLOCKS``).
     Row keys: label, dtype, infer_ms, infer_ratio, train_ms, train_ratio, infer_flops, train_flops,
     infer_peak_fraction, train_peak_fraction, infer_peak_mb, train_peak_mb, matmul_peak_gflops,
-    active_heads, infer_samples_ms, train_samples_ms; ``skipped`` for a case that failed to build.
+    active_heads, infer_samples_ms, train_samples_ms, infer_ratio_ci, train_ratio_ci (a 95% interval of
+    the ratio, ``timing.ratio_interval``; None for the reference and with under 5 rounds); ``skipped``
+    for a case that failed to build.
     """
     for name in dtypes:
         if name not in DTYPES:
@@ -127,6 +137,7 @@ def measure_cases(
             row.update(
                 infer_ms=1e3 * t,
                 infer_ratio=t / ref_infer,
+                infer_ratio_ci=_interval(label, reference, infer_times),
                 infer_flops=infer_flops[label],
                 infer_peak_fraction=infer_flops[label] / t / peak,
                 infer_samples_ms=[1e3 * s for s in infer_times[label]],
@@ -136,6 +147,7 @@ def measure_cases(
                 row.update(
                     train_ms=1e3 * t,
                     train_ratio=t / ref_train if ref_train else None,
+                    train_ratio_ci=_interval(label, reference, train_times),
                     train_flops=train_flops[label],
                     train_peak_fraction=train_flops[label] / t / peak,
                     train_samples_ms=[1e3 * s for s in train_times[label]],

@@ -25,6 +25,7 @@ from visattn.kernels import moh_routed_attention_op
 
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
 from .measure import measure_cases
+from .report import ratio_cell
 from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
@@ -156,13 +157,13 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             groups.setdefault((row["shape"], row["dtype"]), []).append(row)
     for (shape, dtype), members in groups.items():
         out.append(f"\n### {shape}, {dtype}: inference\n")
-        out.append("| variant | path | infer ms | vs mha | vs masked dense |")
+        out.append("| variant | path | infer ms | vs mha (95% interval) | vs masked dense |")
         out.append("|---|---|---|---|---|")
         for r in members:
             label, _, impl = r["label"].partition(" ")
             path = f"auto -> {r['auto_path']}" if r.get("auto_path") else (impl or "-")
             vs_masked = "-" if r.get("vs_masked") is None else f"{r['vs_masked']:.3f}"
-            out.append(f"| {label} | {path} | {r['infer_ms']:.2f} | {r['infer_ratio']:.3f} | {vs_masked} |")
+            out.append(f"| {label} | {path} | {r['infer_ms']:.2f} | {ratio_cell(r, 'infer')} | {vs_masked} |")
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
         out.append("\nSkipped:")

@@ -14,8 +14,21 @@ def _inverse(ratio: float | None) -> float | None:
     return 1.0 / ratio if ratio else None
 
 
+def ratio_cell(row: dict[str, Any], mode: str, throughput: bool = False) -> str:
+    """``row``'s ``{mode}_ratio`` (``infer`` or ``train``) with its 95% interval where the row has one,
+    e.g. ``0.931 (0.902-0.958)``; ``throughput``: as images/s relative to the reference (the inverse)."""
+    ratio, interval = row.get(f"{mode}_ratio"), row.get(f"{mode}_ratio_ci")
+    if throughput:
+        ratio = _inverse(ratio)
+        interval = [1.0 / interval[1], 1.0 / interval[0]] if interval else None
+    if ratio is None:
+        return "-"
+    return f"{ratio:.3f}" + (f" ({interval[0]:.3f}-{interval[1]:.3f})" if interval else "")
+
+
 def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
-    """One table per (``group_key`` value, dtype); skipped rows listed after."""
+    """One table per (``group_key`` value, dtype); skipped rows listed after. Ratios to the reference carry
+    their 95% interval in brackets (``timing.ratio_interval``)."""
     out: list[str] = []
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
@@ -40,9 +53,9 @@ def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
                 r["label"],
                 f"{active[0]}/{active[1]}" if active else "-",
                 _fmt(r.get("infer_ms"), ".2f"),
-                _fmt(r.get("infer_ratio"), ".3f"),
+                ratio_cell(r, "infer"),
                 _fmt(r.get("train_ms"), ".2f"),
-                _fmt(r.get("train_ratio"), ".3f"),
+                ratio_cell(r, "train"),
                 _fmt(r.get("infer_flops", 0) / 1e9 if "infer_flops" in r else None, ".4g"),
                 _fmt(r.get("train_flops", 0) / 1e9 if "train_flops" in r else None, ".4g"),
                 _fmt(100 * r["infer_peak_fraction"] if "infer_peak_fraction" in r else None, ".1f"),
@@ -52,7 +65,7 @@ def markdown_table(rows: list[dict[str, Any]], group_key: str) -> str:
             ]
             if images:
                 cells += [_fmt(r.get("infer_images_per_s"), ".1f"), _fmt(r.get("train_images_per_s"), ".1f"),
-                          _fmt(_inverse(r.get("infer_ratio")), ".3f"), _fmt(_inverse(r.get("train_ratio")), ".3f")]
+                          ratio_cell(r, "infer", throughput=True), ratio_cell(r, "train", throughput=True)]
             out.append("| " + " | ".join(cells) + " |")
     skipped = [r for r in rows if "skipped" in r]
     if skipped:

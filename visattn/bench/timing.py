@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +69,34 @@ def synced(device: torch.device, fn: Callable[[], object]) -> Callable[[], objec
 
 def median(samples: list[float]) -> float:
     return statistics.median(samples)
+
+
+RATIO_CONFIDENCE = 0.95
+RATIO_RESAMPLES = 4000
+MIN_ROUNDS_FOR_INTERVAL = 5
+
+
+def ratio_interval(
+    samples: list[float], reference: list[float], confidence: float = RATIO_CONFIDENCE,
+    resamples: int = RATIO_RESAMPLES, seed: int = 0,
+) -> tuple[float, float] | None:
+    """A bootstrap confidence interval of ``median(samples) / median(reference)``, the ratio the benches
+    report, from two functions timed in the same rounds (``samples[i]`` and ``reference[i]`` in round i).
+
+    Whole rounds are resampled, so what a round shared (a neighbour's load on the machine) stays paired.
+    None with fewer than 5 rounds, or where the lists are not one per round. The interval says whether
+    a measured ratio resolves a target: on a machine whose single timings vary by +-20%, a 5% difference
+    needs tens of rounds."""
+    n = len(samples)
+    if n != len(reference) or n < MIN_ROUNDS_FOR_INTERVAL:
+        return None
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
+    rounds = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ratios = np.median(np.asarray(samples)[rounds], axis=1) / np.median(np.asarray(reference)[rounds], axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail])
+    return float(low), float(high)
 
 
 PROBE_BUDGET_S = 0.05  # time the peak probe aims for, on any CPU or GPU
