@@ -1,5 +1,6 @@
 """The compiled MoH routing kernel (visattn.kernels) against the PyTorch routing it replaces."""
 
+import functools
 import logging
 
 import pytest
@@ -38,6 +39,8 @@ def test_compiled_gates_equal_the_pytorch_routing(kernel, monkeypatch, heads, sh
     router = layer.router
     x = torch.randn(3, 11, 48) * scale
     calls = []
+    # the gates alone differ: both take the logits from F.linear (the logits kernel has its tests below)
+    monkeypatch.setattr("visattn.attention.routing.moh_router_logits_op", lambda: None)
     monkeypatch.setattr("visattn.attention.fused_gating.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         gates, none = router(x, None, selection=False)
@@ -155,3 +158,57 @@ def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeyp
         assert kernels.moh_routing_op() is None  # switched off: not even tried
     finally:
         kernels._load.cache_clear()
+
+
+@pytest.mark.parametrize("value", ["", "~/elsewhere"])
+def test_the_kernel_dir_is_the_user_cache_when_unset_or_empty_and_expands_home(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("VISATTN_KERNEL_DIR", value)
+    expected = tmp_path / "elsewhere" if value else tmp_path / ".cache" / "visattn" / "kernels"
+    assert kernels.kernel_dir() == expected
+    monkeypatch.delenv("VISATTN_KERNEL_DIR")
+    assert kernels.kernel_dir() == tmp_path / ".cache" / "visattn" / "kernels"
+
+
+@pytest.mark.parametrize("T, C, R", [(37, 96, 10), (256, 64, 8), (5, 384, 14), (33, 24, 1), (19, 16, 21), (0, 8, 4)])
+def test_router_logits_kernel_equals_the_matmul(kernel, T, C, R):
+    """Row blocks of 4 with a partial last one, one and several column blocks, an empty input, and x read in place
+    through a row stride (columns of a wider tensor)."""
+    gen = torch.Generator().manual_seed(T + C + R)
+    wide = torch.randn(T, C + 5, generator=gen)
+    x, w = wide[:, 2 : 2 + C], torch.randn(R, C, generator=gen)
+    got = torch.ops.visattn.moh_router_logits(x, w)
+    assert got.shape == (T, R) and got.is_contiguous()
+    torch.testing.assert_close(got, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.visattn.moh_router_logits(x.double(), w.double())
+
+
+def test_the_router_takes_the_logits_kernel_only_where_the_probe_found_it_faster(kernel, monkeypatch):
+    import visattn.attention.routing as routing
+    from visattn.attention.impl_probe import ImplProbe
+
+    layer = build_attention("moh", 48, num_heads=6, shared_heads=2, routed_topk=2, qkv_bias=True, impl="dense").eval()
+    x = torch.randn(3, 11, 48)
+    with kernels.disabled(), torch.no_grad():
+        ref_out, (ref_gates, _) = layer(x), layer.router(x, None, False)
+    op = torch.ops.visattn.moh_router_logits
+    for faster in ("router_kernel", "router_linear"):
+        calls = []
+        monkeypatch.setattr(routing, "moh_router_logits_op", lambda calls=calls: lambda *a: calls.append(1) or op(*a))
+        seconds = {"router_kernel": 1.0, "router_linear": 1.0, faster: 0.5}
+        timer = functools.partial(lambda seconds, path, run: (run(), seconds[path])[1], seconds)
+        monkeypatch.setattr(routing, "_LOGITS_PROBE", ImplProbe(timer=timer, repeats=1))
+        with torch.no_grad():
+            gates, _ = layer.router(x, None, False)
+            out = layer(x)
+        (choice,) = routing._LOGITS_PROBE.choices.values()
+        assert choice.path == faster and choice.shape == (33, 48, layer.router.logit_rows)
+        # the probe's warm-up and timed round, then the router's call and the layer's where the kernel won
+        assert len(calls) == 2 + (2 if faster == "router_kernel" else 0)
+        torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        probed = len(calls)
+        layer.train()(x).sum().backward()  # with gradients: the matmul, whatever the probe said
+        layer.eval()
+        assert len(calls) == probed

@@ -176,7 +176,8 @@ def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float)
     return reference
 
 
-def _default_disk_dir() -> Path | None:
+def default_disk_dir() -> Path | None:
+    """Where probes keep their choices across processes: set by ``VISATTN_IMPL_CACHE`` (None: this process only)."""
     if os.environ.get(DISK_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
         return None
     return Path(os.environ.get("VISATTN_CACHE") or "~/.cache/visattn").expanduser() / "impl_choices"
@@ -272,7 +273,7 @@ class ImplProbe:
             )
 
 
-_PROBE = ImplProbe(disk_dir=_default_disk_dir())
+_PROBE = ImplProbe(disk_dir=default_disk_dir())
 
 
 def impl_probe() -> ImplProbe:

@@ -32,9 +32,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from visattn.kernels import moh_cuda_gates_op
+from visattn.kernels import build_id, moh_cuda_gates_op, moh_router_logits_op
 
 from .fused_gating import RoutedGatesCuda, eager_cpu_kernels, eager_cuda_gates, needs_grad, routed_gates
+from .impl_probe import ImplProbe, default_disk_dir, device_name
 from .tracing import keeps_stats
 
 ROUTERS = ("linear", "l2norm")
@@ -254,7 +255,10 @@ class HeadRouter(nn.Module):
         if weight is None:
             return None
         B, N, C = x.shape
-        logits = F.linear(x.reshape(B * N, C), weight).t()
+        if torch.jit.is_scripting():
+            logits = F.linear(x.reshape(B * N, C), weight).t()
+        else:
+            logits = router_linear(x.reshape(B * N, C), weight).t()
         return logits.float() if float32 else logits
 
     def _scores(self, x: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor | None, start: int) -> torch.Tensor:
@@ -418,6 +422,33 @@ class HeadRouter(nn.Module):
             return gates.view(B, N, self.num_heads), None
         chosen = torch.cat([keep.new_ones((S, B * N), dtype=torch.bool), keep > 0.5], 0)  # as below: [H, T] viewed
         return gates.view(B, N, self.num_heads), chosen.view(self.num_heads, B, N).permute(1, 2, 0)
+
+
+# The router's matmul is no shape BLAS libraries tune: x [T, C] times a handful of rows. On an AMD Zen 3, MKL's
+# SGEMM took 2-4x the time of the kernels' own loops at the study's and DiT-B's sizes (10-14 rows), half of the
+# routing's cost; where it is faster (other CPUs, other shapes) the probe keeps it.
+_LOGITS_PROBE = ImplProbe(disk_dir=default_disk_dir())
+
+
+def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, C] @ weight^T ([R, C], a router's few rows) -> [T, R]: ``F.linear``, or without gradients or autocast
+    on a CPU in float32 the kernels' ``moh_router_logits`` where it was faster for this shape on this machine (timed once per
+    shape, thread count and build; ``visattn.attention.impl_probe``)."""
+    # eager_cpu_kernels first: it says no to an fx Proxy, whose dtype cannot be compared; under autocast the
+    # matmul runs in autocast's dtype, as F.linear's callers expect
+    if not eager_cpu_kernels(x) or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight)
+    if torch.is_autocast_enabled("cpu"):
+        return F.linear(x, weight)
+    op = moh_router_logits_op()
+    if op is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight)
+    device = device_name(x.device)
+    shape = (*x.shape, weight.shape[0])
+    key = ("router_logits", device, torch.get_num_threads(), torch.__version__, shape, build_id())
+    runs = {"router_linear": lambda: F.linear(x, weight), "router_kernel": lambda: op(x, weight)}
+    path = _LOGITS_PROBE.choose(key, runs, "router_linear", shape, "float32", device).path
+    return runs[path]()
 
 
 def rank_constants(pool: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

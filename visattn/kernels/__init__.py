@@ -19,6 +19,8 @@
   ``routed_kernel_dense``: float32, and bfloat16 on AMX tiles (``amx_attention.h``).
 - ``moh_routed_proj_op(dtype, head_dim)``: the chosen pairs' output projection alone, bfloat16 on AMX
   tiles (``amx_projection.h``), for ``routed_kernel_grouped``.
+- ``moh_router_logits_op()``: the linear routers' logits without gradients (a matmul of a few output
+  columns, float32, in the loops of ``small_gemm``), where it beats ``F.linear`` on the running machine.
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -66,7 +68,9 @@ _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("visattn_kernels_off
 
 
 def kernel_dir() -> Path:
-    return Path(os.environ.get("VISATTN_KERNEL_DIR", Path.home() / ".cache" / "visattn" / "kernels"))
+    """``$VISATTN_KERNEL_DIR``, or the user cache where it is unset or empty (an empty value once built the
+    kernels into the working directory, the repository's root)."""
+    return Path(os.environ.get("VISATTN_KERNEL_DIR") or Path.home() / ".cache" / "visattn" / "kernels").expanduser()
 
 
 @functools.cache
@@ -148,6 +152,13 @@ def moh_routed_proj_op(dtype: torch.dtype, head_dim: int) -> Callable | None:
         return None
     ok = dtype == torch.bfloat16 and torch.ops.visattn.moh_amx_attention(head_dim)
     return torch.ops.visattn.moh_routed_proj if ok else None
+
+
+def moh_router_logits_op() -> Callable | None:
+    """``torch.ops.visattn.moh_router_logits`` (x [T, C] @ w^T for a router's few rows w [R, C], float32, in the
+    kernels' own loops: ``HeadRouter`` times it against ``F.linear`` per shape) where the kernels load, else None
+    (as ``moh_routing_op``)."""
+    return None if _OFF.get() or not _load() else torch.ops.visattn.moh_router_logits
 
 
 def autocast_weight_op() -> Callable | None:

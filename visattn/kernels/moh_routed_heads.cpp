@@ -816,6 +816,31 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
   return {dx, dwq, dbq, dwo, dk, dv, dgates};
 }
 
+// The linear routers' logits: x [T, C] (unit column stride) @ w^T (w [R, C]) -> [T, R] float32, through
+// small_gemm (the weights packed once as w^T [C, padded(R)], every row of x read once). A GEMM of a few output
+// columns is no case MKL optimises on every CPU: on AMD Zen 3 its SGEMM took 2-4x this time at the study's
+// and DiT-B's sizes (10 or 14 columns; 16 ran twice as fast as 10, 8 slower than 16 at 384 wide), and the
+// router's matmul was half of its cost (16th session). HeadRouter times both on the running machine.
+at::Tensor moh_router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
+              "moh_router_logits: x [T, C] and w [R, C]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "moh_router_logits: float32");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor w = w_in.contiguous();
+  const int64_t T = x.size(0), C = x.size(1), R = w.size(0), ldx = x.stride(0);
+  auto out = at::empty({T, R}, x.options());
+  if (T == 0 || R == 0) return out;
+  if (C == 0) return out.zero_();
+  std::vector<float> wt;
+  transpose_padded(w.data_ptr<float>(), R, C, C, wt);  // [C, padded(R)]
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    small_gemm(t1 - t0, R, C, 1.f, xp + t0 * ldx, ldx, nullptr, wt.data(), padded(R), op + t0 * R, R, nullptr, false);
+  });
+  return out;
+}
+
 // Whether this torch build exports the GEMM moh_routed_heads needs for `dtype` (float32: SGEMM,
 // bfloat16: cblas_gemm_bf16bf16f32).
 bool moh_routed_blas(at::ScalarType dtype) {
@@ -843,6 +868,7 @@ TORCH_LIBRARY_FRAGMENT(visattn, m) {
         "Tensor gates, int S, int first_head, Tensor(a!) z, bool fused=True, bool zero_off=True) -> ()");
   m.def("moh_routed_proj(Tensor z, Tensor routed_mask, int S, Tensor weight, Tensor? bias) -> Tensor");
   m.def("autocast_weight(Tensor weight) -> Tensor");
+  m.def("moh_router_logits(Tensor x, Tensor w) -> Tensor");
   m.def("moh_routed_blas(ScalarType dtype) -> bool", &moh_routed_blas);
   m.def("moh_fused_attention(int head_dim) -> bool", &moh_fused_attention);
   m.def("moh_amx_attention(int head_dim) -> bool", &moh_amx_attention);
@@ -852,6 +878,7 @@ TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_routed_heads_backward", &moh_routed_heads_backward);
   m.impl("moh_routed_attention", &moh_routed_attention);
   m.impl("moh_routed_proj", &moh_routed_proj);
+  m.impl("moh_router_logits", &moh_router_logits);
   m.impl("autocast_weight", &autocast_weight_outside_autocast);
 }
 TORCH_LIBRARY_IMPL(visattn, AutocastCPU, m) { m.impl("autocast_weight", &autocast_weight); }
