@@ -428,6 +428,7 @@ class HeadRouter(nn.Module):
 # SGEMM took 2-4x the time of the kernels' own loops at the study's and DiT-B's sizes (10-14 rows), half of the
 # routing's cost; where it is faster (other CPUs, other shapes) the probe keeps it.
 _LOGITS_PROBE = ImplProbe(disk_dir=default_disk_dir())
+_LOGITS_PATHS: dict[tuple, str] = {}  # (shape, threads, op) -> the probe's choice, for this process
 
 
 def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -443,12 +444,16 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     op = moh_router_logits_op()
     if op is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight)
-    device = device_name(x.device)
     shape = (*x.shape, weight.shape[0])
-    key = ("router_logits", device, torch.get_num_threads(), torch.__version__, shape, build_id())
-    runs = {"router_linear": lambda: F.linear(x, weight), "router_kernel": lambda: op(x, weight)}
-    path = _LOGITS_PROBE.choose(key, runs, "router_linear", shape, "float32", device).path
-    return runs[path]()
+    threads = torch.get_num_threads()
+    path = _LOGITS_PATHS.get((shape, threads, op))  # a dict lookup per call: ImplProbe.choose costs ~50 us
+    if path is None:
+        device = device_name(x.device)
+        key = ("router_logits", device, threads, torch.__version__, shape, build_id())
+        runs = {"router_linear": lambda: F.linear(x, weight), "router_kernel": lambda: op(x, weight)}
+        path = _LOGITS_PATHS[shape, threads, op] = _LOGITS_PROBE.choose(key, runs, "router_linear", shape, "float32",
+                                                                        device).path
+    return op(x, weight) if path == "router_kernel" else F.linear(x, weight)
 
 
 def rank_constants(pool: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
