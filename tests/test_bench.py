@@ -301,8 +301,9 @@ def test_the_ratio_interval_pairs_rounds_and_covers_the_measured_ratio():
     assert low < 0.9 < high and high - low < 0.1
     assert ratio_interval(variant[:4], load[:4]) is None  # too few rounds
     assert ratio_interval(variant, load[:-1]) is None  # not one sample per round
-    with pytest.raises(ValueError, match="confidence=95"):
-        ratio_interval(variant, load, confidence=95)
+    for rounds in (41, 3):  # refused before anything is computed, with or without enough rounds
+        with pytest.raises(ValueError, match="confidence=95"):
+            ratio_interval(variant[:rounds], load[:rounds], confidence=95)
 
 
 def test_tables_print_each_ratio_with_its_interval_and_images_per_s_inverts_it():

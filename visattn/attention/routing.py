@@ -433,8 +433,8 @@ _LOGITS_PATHS: dict[tuple, str] = {}  # (shape, threads, op) -> the probe's choi
 
 def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, C] @ weight^T ([R, C], a router's few rows) -> [T, R]: ``F.linear``, or without gradients or autocast
-    on a CPU in float32 the kernels' ``moh_router_logits`` where it was faster for this shape on this machine (timed once per
-    shape, thread count and build; ``visattn.attention.impl_probe``)."""
+    on a CPU in float32 the kernels' ``moh_router_logits`` where it was faster for this shape on this machine
+    (timed once per shape, thread count and build; ``visattn.attention.impl_probe``)."""
     # eager_cpu_kernels first: it says no to an fx Proxy, whose dtype cannot be compared; under autocast the
     # matmul runs in autocast's dtype, as F.linear's callers expect
     if not eager_cpu_kernels(x) or x.dtype != torch.float32 or weight.dtype != torch.float32:

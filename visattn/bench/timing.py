@@ -87,11 +87,11 @@ def ratio_interval(
     None with fewer than 5 rounds, or where the lists are not one per round. The interval says whether
     a measured ratio resolves a target: on a machine whose single timings vary by +-20%, a 5% difference
     needs tens of rounds."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
     n = len(samples)
     if n != len(reference) or n < MIN_ROUNDS_FOR_INTERVAL:
         return None
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
     rounds = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     ratios = np.median(np.asarray(samples)[rounds], axis=1) / np.median(np.asarray(reference)[rounds], axis=1)
     tail = (1 - confidence) / 2
