@@ -281,7 +281,6 @@ def test_interleaved_rounds_call_every_function_once_in_orders_that_change():
     assert orders(0) == rounds and orders(1) != rounds
 
 
-
 def test_the_ratio_interval_pairs_rounds_and_covers_the_measured_ratio():
     """What a round shares (a neighbour's load) cancels in the interval, as it does in the ratio: a variant
     always 0.9x the reference in its round gets a tight interval, however much the rounds differ; the same
@@ -321,6 +320,7 @@ def test_tables_print_each_ratio_with_its_interval_and_images_per_s_inverts_it()
 
 def test_measured_rows_carry_the_interval_of_every_ratio_but_the_references():
     from visattn.bench.measure import measure_cases
+    from visattn.bench.timing import ratio_interval
     from visattn.bench.workload import Workload
 
     def build(scale):
@@ -332,5 +332,7 @@ def test_measured_rows_carry_the_interval_of_every_ratio_but_the_references():
     rows = measure_cases(cases, build, ["fp32"], warmup=0, repeats=6, train=False, memory=False)
     by = {r["label"]: r for r in rows}
     assert by["one"]["infer_ratio_ci"] is None
-    low, high = by["four"]["infer_ratio_ci"]
-    assert low <= high and len(by["four"]["infer_samples_ms"]) == 6
+    # the interval of the row's own samples against the reference's, round by round
+    samples, reference = by["four"]["infer_samples_ms"], by["one"]["infer_samples_ms"]
+    assert len(samples) == len(reference) == 6
+    assert by["four"]["infer_ratio_ci"] == pytest.approx(list(ratio_interval(samples, reference)), rel=1e-9)

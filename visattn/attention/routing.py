@@ -437,9 +437,8 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (timed once per shape, thread count and build; ``visattn.attention.impl_probe``)."""
     # eager_cpu_kernels first: it says no to an fx Proxy, whose dtype cannot be compared; under autocast the
     # matmul runs in autocast's dtype, as F.linear's callers expect
-    if not eager_cpu_kernels(x) or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return F.linear(x, weight)
-    if torch.is_autocast_enabled("cpu"):
+    if (not eager_cpu_kernels(x) or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or torch.is_autocast_enabled("cpu")):
         return F.linear(x, weight)
     op = moh_router_logits_op()
     if op is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
