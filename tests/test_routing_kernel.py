@@ -71,6 +71,7 @@ def test_the_kernel_keeps_nan_and_runs_only_where_it_applies(kernel, monkeypatch
 
     calls = []
     monkeypatch.setattr("visattn.attention.fused_gating.moh_routing_op", lambda: lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr("visattn.attention.routing.moh_router_gates_op", lambda: None)  # inference's fused op: below
     x = torch.randn(2, 5, 48)
     with torch.no_grad():
         with flop_counter():  # a dispatch mode sees the PyTorch routing's matmuls
@@ -193,9 +194,12 @@ def test_the_router_takes_the_logits_kernel_only_where_the_probe_found_it_faster
     with kernels.disabled(), torch.no_grad():
         ref_out, (ref_gates, _) = layer(x), layer.router(x, None, False)
     op = torch.ops.visattn.moh_router_logits
+    fused_op = torch.ops.visattn.moh_router_gates
     for faster in ("router_kernel", "router_linear"):
-        calls = []
+        calls, fused = [], []
         monkeypatch.setattr(routing, "moh_router_logits_op", lambda calls=calls: lambda *a: calls.append(1) or op(*a))
+        monkeypatch.setattr(routing, "moh_router_gates_op",
+                            lambda fused=fused: lambda *a: fused.append(1) or fused_op(*a))
         seconds = {"router_kernel": 1.0, "router_linear": 1.0, faster: 0.5}
         timer = functools.partial(lambda seconds, path, run: (run(), seconds[path])[1], seconds)
         monkeypatch.setattr(routing, "_LOGITS_PROBE", ImplProbe(timer=timer, repeats=1))
@@ -204,11 +208,72 @@ def test_the_router_takes_the_logits_kernel_only_where_the_probe_found_it_faster
             out = layer(x)
         (choice,) = routing._LOGITS_PROBE.choices.values()
         assert choice.path == faster and choice.shape == (33, 48, layer.router.logit_rows)
-        # the probe's warm-up and timed round, then the router's call and the layer's where the kernel won
-        assert len(calls) == 2 + (2 if faster == "router_kernel" else 0)
+        # the probe's warm-up and timed round; then, where the kernel won, the router's call and the layer's take
+        # the logits and gates in one op (moh_router_gates)
+        assert len(calls) == 2 and len(fused) == (2 if faster == "router_kernel" else 0)
         torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-        probed = len(calls)
         layer.train()(x).sum().backward()  # with gradients: the matmul, whatever the probe said
         layer.eval()
-        assert len(calls) == probed
+        assert len(calls) == 2 and len(fused) == (2 if faster == "router_kernel" else 0)
+        if faster == "router_kernel":  # the logits alone (the training path's router_linear), as the probe said
+            with torch.no_grad():
+                routing.router_linear(x.reshape(33, 48), layer.router.stacked_weight())
+            assert len(calls) == 3
+
+
+@pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)
+def test_fused_router_gates_equal_the_two_kernels_bit_for_bit(kernel, heads, shared, topk, two_stage):
+    """moh_router_gates (the logits per block of tokens, then the gates, then the head load) against
+    moh_router_logits, moh_gates and moh_head_load in turn: the same bits, over blocks of 256 tokens with a partial
+    last one, x read through a row stride, NaN tokens kept NaN."""
+    router = _layer(heads, shared, topk, two_stage).router
+    weights = router.linear_weights()
+    budget = (shared, router.pool, topk, router.mix is not None, router.shared is not None, router.eps)
+    gen = torch.Generator().manual_seed(heads + topk)
+    wide = torch.randn(5 * 121, 52, generator=gen) * 3
+    x = wide[:, 1:49]  # 605 tokens: two whole blocks and a partial one
+    x[7] = float("nan")
+    gates, keep, load = torch.ops.visattn.moh_router_gates(x, weights, *budget, 121)
+    logits = torch.ops.visattn.moh_router_logits(x, torch.cat(weights)).t()
+    ref_gates, ref_keep, _, _ = kernel(logits, *budget, False)
+    assert torch.equal(gates.nan_to_num(-1.0), ref_gates.nan_to_num(-1.0)) and torch.equal(keep, ref_keep)
+    assert gates[7].isnan().all() and gates[8:].isfinite().all()
+    assert torch.equal(load, torch.ops.visattn.moh_head_load(ref_keep, 121, shared)) and load.shape == (5, heads)
+    _, _, no_load = torch.ops.visattn.moh_router_gates(x, weights, *budget, 0)
+    assert no_load.numel() == 0
+    with pytest.raises(RuntimeError, match="whole images of 100"):
+        torch.ops.visattn.moh_router_gates(x, weights, *budget, 100)
+    with pytest.raises(RuntimeError, match="rows do not match the budget"):
+        torch.ops.visattn.moh_router_gates(x, weights[:-1], *budget, 121)
+    with pytest.raises(RuntimeError, match=r"\[R_i, 48\] float32"):
+        torch.ops.visattn.moh_router_gates(x, [w[:, :40] for w in weights], *budget, 121)
+
+
+@pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)
+def test_inference_routing_in_the_fused_op_equals_the_pytorch_routing(kernel, monkeypatch, heads, shared, topk,
+                                                                      two_stage):
+    """Where the logits probe chose the kernels' loops, the router of a layer in inference runs moh_router_gates
+    alone, with gates, selection and head load as the PyTorch routing gives them; with gradients it does not."""
+    import visattn.attention.routing as routing
+
+    monkeypatch.setattr(routing, "_logits_path", lambda *args: True)
+    layer = _layer(heads, shared, topk, two_stage)
+    x = torch.randn(3, 11, 48) * 4
+    with torch.no_grad():
+        with torch.profiler.profile() as profile:
+            gates, selected = layer.router(x, None)
+            load = layer.router.head_load
+            out = layer(x)
+        ran = [event.name for event in profile.events() if event.name.startswith("visattn::")]
+        with kernels.disabled():
+            ref_gates, ref_selected = layer.router(x, None)
+            ref_load = layer.router.head_load
+            ref_out = layer(x)
+    assert ran.count("visattn::moh_router_gates") == 2 and "visattn::moh_gates" not in ran
+    torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
+    assert torch.equal(selected, ref_selected) and torch.equal(load, ref_load)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    with torch.profiler.profile() as profile:
+        layer.router(x.requires_grad_(), None)
+    assert "visattn::moh_router_gates" not in {event.name for event in profile.events()}

@@ -12,7 +12,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fused_gating import GatedMerge, GatedProjection, gated_merge_runs, gated_projection_runs
+from .fused_gating import GatedMerge, gated_merge_runs, gated_projection, gated_projection_runs
 from .routing import HeadRouter
 from .tracing import keeps_stats
 
@@ -205,7 +205,7 @@ class HeadAttention(nn.Module):
             if (type(proj) is nn.Linear and type(self.norm) is nn.Identity and self.gate is None
                     and gated_projection_runs(heads, gates, proj.weight, proj.bias)):
                 # merge and projection per block of tokens (visattn.attention.fused_gating)
-                return self.proj_drop(GatedProjection.apply(heads, gates, proj.weight, proj.bias))
+                return self.proj_drop(gated_projection(heads, gates, proj.weight, proj.bias))
         if gates is not None and not torch.is_grad_enabled():
             # without gradients the heads (attend's own output) are gated in place: no new buffer
             heads = heads.mul_(gates.transpose(1, 2).unsqueeze(-1).to(heads.dtype))

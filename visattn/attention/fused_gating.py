@@ -181,6 +181,16 @@ class GatedProjection(torch.autograd.Function):
         return grad_heads, grad_gates, grad_weight, grad_bias if ctx.has_bias else None
 
 
+def gated_projection(
+    heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``GatedProjection.apply`` where autograd records it, else the op alone (as ``routed_gates``: the Function's
+    bookkeeping for nothing in inference)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (heads, gates, weight, bias)):
+        return GatedProjection.apply(heads, gates, weight, bias)
+    return torch.ops.visattn.moh_gated_proj(heads, gates, weight, bias)
+
+
 def gated_projection_runs(
     heads: torch.Tensor, gates: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> bool:

@@ -26,13 +26,15 @@ Two ways to pick the routed (token, head) pairs (``routing``):
   None, and ``visattn.aux_loss`` counts it as 0).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from visattn.kernels import build_id, moh_cuda_gates_op, moh_router_logits_op
+from visattn.kernels import build_id, moh_cuda_gates_op, moh_router_gates_op, moh_router_logits_op
 
 from .fused_gating import RoutedGatesCuda, eager_cpu_kernels, eager_cuda_gates, needs_grad, routed_gates
 from .impl_probe import ImplProbe, default_disk_dir, device_name
@@ -245,6 +247,10 @@ class HeadRouter(nn.Module):
             weights.append(weights[-1].new_zeros((rows - self.logit_rows, weights[-1].shape[1])))
         return weights[0] if len(weights) == 1 else torch.cat(weights, 0)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The linear routers' weights in ``stacked_weight``'s row order ([R_i, C] each; empty without one)."""
+        return [m.weight for m in (self.shared, self.routed, self.mix) if m is not None]
+
     def _logits(self, x: torch.Tensor, float32: bool = True) -> torch.Tensor | None:
         """Every linear router's logits in one matmul, head-major: [shared; routed; mix] x tokens
         ([logit_rows, B*N], float32, or the matmul's dtype without ``float32``), or None without a linear
@@ -374,14 +380,14 @@ class HeadRouter(nn.Module):
         B, N, _ = x.shape
         S, E = self.shared_heads, self.pool
         head_choice = self.routing == "head_choice" and E > 0  # a dense layer routes no pool either way
+        budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
+        balanced = self.training and E > 0  # the load-balancing loss of a routed pool
         if cuda_gates is not None:
             if head_choice or N == 0:
                 return None
             if logits is None:
                 logits = self._logits(x, float32=False)  # the kernel reads any float dtype
             assert logits is not None
-            budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-            balanced = self.training and E > 0  # the load-balancing loss of a routed pool
             if balanced or needs_grad(self, x):
                 gates, keep, load, aux = RoutedGatesCuda.apply(logits, cuda_gates, budget, N, balanced)
                 if balanced:
@@ -391,6 +397,12 @@ class HeadRouter(nn.Module):
             return self._gates_out(gates, keep, B, N, selection, load)
         if head_choice and (N == 0 or needs_grad(self, x)):
             return None  # head choice's compiled gates have no backward
+        if logits is None and N > 0 and not head_choice and not balanced and not needs_grad(self, x):
+            # inference: the logits and the gates in one kernel, where router_linear would take the kernels' loops
+            fused = router_gates(x.reshape(B * N, x.shape[2]), self.linear_weights(), budget, N if keeps_stats() else 0)
+            if fused is not None:
+                gates, keep, load = fused
+                return self._gates_out(gates, keep, B, N, selection, load)
         if logits is None:
             logits = self._logits(x)
         assert logits is not None
@@ -399,8 +411,6 @@ class HeadRouter(nn.Module):
                 logits, S, E, head_capacity(N, self.routed_topk, E), N, self.mix is not None, self.shared is not None
             )
         else:
-            budget = (S, E, self.routed_topk, self.mix is not None, self.shared is not None, self.eps)
-            balanced = self.training and E > 0  # the load-balancing loss of a routed pool
             gates, keep, aux = routed_gates(logits, budget, balanced)
             if balanced:
                 self.aux_loss = aux
@@ -435,24 +445,56 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, C] @ weight^T ([R, C], a router's few rows) -> [T, R]: ``F.linear``, or without gradients or autocast
     on a CPU in float32 the kernels' ``moh_router_logits`` where it was faster for this shape on this machine
     (timed once per shape, thread count and build; ``visattn.attention.impl_probe``)."""
-    # eager_cpu_kernels first: it says no to an fx Proxy, whose dtype cannot be compared; under autocast the
-    # matmul runs in autocast's dtype, as F.linear's callers expect
-    if (not eager_cpu_kernels(x) or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu")):
-        return F.linear(x, weight)
     op = moh_router_logits_op()
-    if op is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return F.linear(x, weight)
-    shape = (*x.shape, weight.shape[0])
+    if op is not None and _logits_kernel_runs(x, weight) and _logits_path(x, weight.shape[0], lambda: weight):
+        return op(x, weight)
+    return F.linear(x, weight)
+
+
+def router_gates(
+    x: torch.Tensor, weights: list[torch.Tensor], budget: tuple, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Token choice's gates [T, H], keep [E, T] and head load ([T / tokens, H], empty for ``tokens`` 0) straight
+    from the tokens x [T, C] and the linear routers' ``weights`` (``HeadRouter.linear_weights``), in one kernel
+    (``moh_router_gates``: the logits per block of tokens, never stored; the same bits as ``router_linear``'s
+    kernel and ``moh_gates``), where ``router_linear`` would take its kernel for these logits (float32, no
+    autocast, the probe's choice); else None. The caller checks ``eager_cpu_kernels`` and that nothing needs
+    gradients or the load-balancing loss."""
+    op = moh_router_gates_op()
+    if (op is None or moh_router_logits_op() is None or not weights or x.dtype != torch.float32
+            or any(w.dtype != torch.float32 for w in weights) or torch.is_autocast_enabled("cpu")):
+        return None
+    rows = sum(w.shape[0] for w in weights)
+    if not _logits_path(x, rows, lambda: torch.cat(weights, 0)):
+        return None
+    return op(x, weights, *budget, tokens)
+
+
+def _logits_kernel_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernels may compute x [T, C] @ weight^T: eager CPU float32 tensors, no autocast (under it the
+    matmul runs in autocast's dtype, as F.linear's callers expect) and no gradients to record."""
+    # eager_cpu_kernels first: it says no to an fx Proxy, whose dtype cannot be compared
+    return (eager_cpu_kernels(x) and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _logits_path(x: torch.Tensor, rows: int, weight: Callable[[], torch.Tensor]) -> bool:
+    """Whether the kernels' loops were faster than ``F.linear`` for x [T, C] times ``rows`` router rows on this
+    machine (the probe's choice, timed once per shape, thread count and build; ``weight()`` gives the stacked
+    weights [rows, C] for the timing)."""
+    op = moh_router_logits_op()
+    shape = (*x.shape, rows)
     threads = torch.get_num_threads()
     path = _LOGITS_PATHS.get((shape, threads, op))  # a dict lookup per call: ImplProbe.choose costs ~50 us
     if path is None:
+        w = weight()
         device = device_name(x.device)
         key = ("router_logits", device, threads, torch.__version__, shape, build_id())
-        runs = {"router_linear": lambda: F.linear(x, weight), "router_kernel": lambda: op(x, weight)}
+        runs = {"router_linear": lambda: F.linear(x, w), "router_kernel": lambda: op(x, w)}
         path = _LOGITS_PATHS[shape, threads, op] = _LOGITS_PROBE.choose(key, runs, "router_linear", shape, "float32",
                                                                         device).path
-    return op(x, weight) if path == "router_kernel" else F.linear(x, weight)
+    return path == "router_kernel"
 
 
 def rank_constants(pool: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,7 +54,8 @@ SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_r
 HEADERS = [
     Path(__file__).with_name(name)
     for name in (
-        "amx_attention.h", "amx_projection.h", "blas.h", "fused_attention.h", "row_gemm.h", "simd.h", "softmax.h"
+        "amx_attention.h", "amx_projection.h", "blas.h", "fused_attention.h", "router_logits.h", "row_gemm.h", "simd.h",
+        "softmax.h",
     )
 ]
 # -fno-trapping-math lets the compiler vectorise the loops over tokens (their selects and float -> int
@@ -159,6 +160,13 @@ def moh_router_logits_op() -> Callable | None:
     kernels' own loops: ``HeadRouter`` times it against ``F.linear`` per shape) where the kernels load, else None
     (as ``moh_routing_op``)."""
     return None if _OFF.get() or not _load() else torch.ops.visattn.moh_router_logits
+
+
+def moh_router_gates_op() -> Callable | None:
+    """``torch.ops.visattn.moh_router_gates`` (MoH inference's routing from the tokens: the linear routers' logits
+    in ``moh_router_logits``' loops per block of tokens, then ``moh_gates``' pass, and the head load; no backward)
+    where the kernels load, else None (as ``moh_routing_op``)."""
+    return None if _OFF.get() or not _load() else torch.ops.visattn.moh_router_gates
 
 
 def autocast_weight_op() -> Callable | None:

@@ -25,6 +25,7 @@
 #include "amx_projection.h"
 #include "blas.h"
 #include "fused_attention.h"
+#include "router_logits.h"
 #include "row_gemm.h"
 #include "simd.h"
 #include "softmax.h"
@@ -817,26 +818,24 @@ std::vector<at::Tensor> moh_routed_heads_backward(const at::Tensor& grad_out, co
 }
 
 // The linear routers' logits: x [T, C] (unit column stride) @ w^T (w [R, C]) -> [T, R] float32, through
-// small_gemm (the weights packed once as w^T [C, padded(R)], every row of x read once). A GEMM of a few output
-// columns is no case MKL optimises on every CPU: on AMD Zen 3 its SGEMM took 2-4x this time at the study's
-// and DiT-B's sizes (10 or 14 columns; 16 ran twice as fast as 10, 8 slower than 16 at 384 wide), and the
+// small_gemm (router_logits_rows: the weights packed once as w^T [C, padded(R)], every row of x read once). A GEMM
+// of a few output columns is no case MKL optimises on every CPU: on AMD Zen 3 its SGEMM took 2-4x this time at the
+// study's and DiT-B's sizes (10 or 14 columns; 16 ran twice as fast as 10, 8 slower than 16 at 384 wide), and the
 // router's matmul was half of its cost (16th session). HeadRouter times both on the running machine.
 at::Tensor moh_router_logits(const at::Tensor& x_in, const at::Tensor& w_in) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
               "moh_router_logits: x [T, C] and w [R, C]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "moh_router_logits: float32");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const at::Tensor w = w_in.contiguous();
-  const int64_t T = x.size(0), C = x.size(1), R = w.size(0), ldx = x.stride(0);
+  const int64_t T = x.size(0), C = x.size(1), R = w_in.size(0), ldx = x.stride(0);
   auto out = at::empty({T, R}, x.options());
   if (T == 0 || R == 0) return out;
   if (C == 0) return out.zero_();
-  std::vector<float> wt;
-  transpose_padded(w.data_ptr<float>(), R, C, C, wt);  // [C, padded(R)]
+  const std::vector<float> wt = visattn::pack_router_weights({w_in}, C);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
-    small_gemm(t1 - t0, R, C, 1.f, xp + t0 * ldx, ldx, nullptr, wt.data(), padded(R), op + t0 * R, R, nullptr, false);
+    visattn::router_logits_rows(t1 - t0, R, C, xp + t0 * ldx, ldx, wt.data(), op + t0 * R, R);
   });
   return out;
 }
@@ -857,6 +856,33 @@ bool moh_fused_attention(int64_t head_dim) { return visattn::fused_attention_run
 bool moh_amx_attention(int64_t head_dim) { return visattn::amx_attention_runs(head_dim); }
 
 }  // namespace
+
+namespace visattn {
+
+int64_t router_ldw(int64_t rows) { return padded(rows); }
+
+std::vector<float> pack_router_weights(at::TensorList weights, int64_t C) {
+  int64_t R = 0;
+  for (const auto& w : weights) R += w.size(0);
+  const int64_t ldw = padded(R);
+  std::vector<float> wt(C * ldw, 0.0f);
+  int64_t r0 = 0;
+  for (const auto& w_in : weights) {
+    const at::Tensor w = w_in.contiguous();
+    const float* src = w.data_ptr<float>();
+    for (int64_t i = 0; i < w.size(0); ++i)
+      for (int64_t c = 0; c < C; ++c) wt[c * ldw + r0 + i] = src[i * C + c];
+    r0 += w.size(0);
+  }
+  return wt;
+}
+
+void router_logits_rows(int64_t n, int64_t R, int64_t C, const float* x, int64_t ldx, const float* wt, float* out,
+                        int64_t ldo) {
+  small_gemm(n, R, C, 1.f, x, ldx, nullptr, wt, padded(R), out, ldo, nullptr, false);
+}
+
+}  // namespace visattn
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("moh_routed_heads(Tensor x, Tensor qkv_w, Tensor? qkv_b, Tensor proj_w, Tensor k, Tensor v, Tensor? v_bias, "

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "blas.h"
+#include "router_logits.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -38,8 +39,25 @@ void load_rows(const at::Tensor& logits, int64_t t0, int64_t n, float* dst) {
   }
 }
 
+// moh_router_gates' input in place of a logits tensor: the tokens x [T, C] (row stride ldx) and the routers'
+// weights packed by visattn::pack_router_weights; each block's logits are computed into the block's rows.
+struct RouterInput {
+  const float* x;
+  int64_t ldx, C;
+  const float* wt;
+};
+
+// The logits of tokens t0 .. t0 + n from the routers' input -> dst [R, BLOCK] (head-major, as load_rows gives
+// them); tok: scratch [BLOCK, R].
+void block_logits(const RouterInput& in, int64_t t0, int64_t n, int64_t R, float* tok, float* dst) {
+  visattn::router_logits_rows(n, R, in.C, in.x + t0 * in.ldx, in.ldx, in.wt, tok, R);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < R; ++i) dst[i * BLOCK + t] = tok[t * R + i];
+}
+
 struct GatesArgs {
-  const at::Tensor& logits;
+  const at::Tensor& logits;  // undefined where `input` is given
+  const RouterInput* input;
   int64_t S, E, k;
   bool two_stage, shared_routed, with_aux;
   float eps;
@@ -148,10 +166,12 @@ VISATTN_SIMD_CLONES void gates_blocks(const GatesArgs& a, int64_t b0, int64_t b1
   double* partial = a.partial;
 
     BlockScratch w(H, R);
+    std::vector<float> tok(a.input != nullptr ? BLOCK * R : 0);
     float *a1 = w.a1, *mx = w.mx, *sum = w.sum, *g = w.g;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t t0 = blk * BLOCK, n = std::min(BLOCK, T - t0);
-      load_rows(logits, t0, n, w.lb);
+      if (a.input != nullptr) block_logits(*a.input, t0, n, R, tok.data(), w.lb);
+      else load_rows(logits, t0, n, w.lb);
       block_softmaxes(w, n, S, E, R, routed0, two_stage, shared_routed);
       if (E > 0) {
         float* p = g + S * BLOCK;  // [E, BLOCK]: the pool's probabilities, then its gates
@@ -369,7 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moh_gates(const at::T
   float* K = keep_out.data_ptr<float>();
   const float eps = static_cast<float>(eps_in);
   const int64_t routed0 = shared_routed ? S : 0;
-  const GatesArgs args{logits, S, E, k, two_stage, shared_routed, with_aux, eps, routed0, R, H, T, G, K, partial.data()};
+  const GatesArgs args{logits, nullptr, S, E, k, two_stage, shared_routed, with_aux, eps, routed0, R, H, T, G, K,
+                       partial.data()};
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { gates_blocks(args, b0, b1); });
   auto load = at::empty({with_aux ? E : 0}, logits.options());
   auto aux = at::zeros({}, logits.options());
@@ -443,6 +464,44 @@ at::Tensor moh_head_load(const at::Tensor& keep_in, int64_t tokens, int64_t S) {
     }
   }
   return out;
+}
+
+// MoH inference's routing in one op: the linear routers' logits (x [T, C] float32, unit column stride, times the
+// weights [R_i, C] stacked in moh_gates' row order: shared, routed, mix), computed per block of tokens and
+// never stored, then moh_gates' pass over the block -> (gates [T, S + E], keep [E, T], and with `tokens` > 0 the
+// head load moh_head_load gives, else an empty tensor). No load-balancing loss and no backward: the router's
+// training takes moh_gates. Equal bit for bit to moh_router_logits followed by moh_gates (the same loops per
+// token); one op instead of two and a head load (the study ViT's router took 0.75 ms a layer as three ops with
+// their Python, 17th session).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moh_router_gates(const at::Tensor& x_in, at::TensorList weights,
+                                                                int64_t S, int64_t E, int64_t k, bool two_stage,
+                                                                bool shared_routed, double eps_in, int64_t tokens) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "moh_router_gates: x must be [T, C] float32");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t T = x.size(0), C = x.size(1), H = S + E;
+  int64_t R = 0;
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == C && w.scalar_type() == at::kFloat,
+                "moh_router_gates: every weight must be [R_i, ", C, "] float32");
+    R += w.size(0);
+  }
+  TORCH_CHECK(((E >= 1 && 1 <= k && k <= E) || (E == 0 && k == 0 && !two_stage)) && S >= 0 &&
+                  R == (shared_routed ? S : 0) + E + (two_stage ? 2 : 0) && R > 0,
+              "moh_router_gates: the weights' rows do not match the budget");
+  TORCH_CHECK(tokens >= 0 && (tokens == 0 || T % tokens == 0), "moh_router_gates: ", T,
+              " tokens are not whole images of ", tokens);
+  auto gates = at::empty({T, H}, x.options());
+  auto keep = at::empty({E, T}, x.options());
+  if (T > 0) {
+    const std::vector<float> wt = visattn::pack_router_weights(weights, C);
+    const RouterInput input{x.data_ptr<float>(), x.stride(0), C, wt.data()};
+    const at::Tensor no_logits;
+    const GatesArgs args{no_logits, &input, S, E, k, two_stage, shared_routed, false, static_cast<float>(eps_in),
+                         shared_routed ? S : 0, R, H, T, gates.data_ptr<float>(), keep.data_ptr<float>(), nullptr};
+    at::parallel_for(0, (T + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) { gates_blocks(args, b0, b1); });
+  }
+  auto load = tokens > 0 ? moh_head_load(keep, tokens, S) : at::empty({0}, x.options());
+  return {gates, keep, load};
 }
 
 namespace {
@@ -667,9 +726,11 @@ namespace {
 
 constexpr int64_t PROJ_ROWS = 256;  // tokens per block: a block's merged heads stay in L2 for its GEMMs
 
-VISATTN_SIMD_CLONES void add_bias(float* out, const float* bias, int64_t rows, int64_t cols) {
+// The bias as the GEMM's C (beta 1), as addmm does: cheaper than scaling C by beta 0 and a pass adding the bias
+// after (MKL's sgemm_mscale and that pass were 10% of moh_gated_proj at the study's sizes, 17th session).
+VISATTN_SIMD_CLONES void fill_rows(float* out, const float* bias, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] += bias[c];
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = bias[c];
 }
 
 VISATTN_SIMD_CLONES void add_column_sums(const float* rows_in, int64_t rows, int64_t cols, float* sums) {
@@ -708,8 +769,8 @@ at::Tensor moh_gated_proj(const at::Tensor& heads, const at::Tensor& gates_in, c
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t r0 = blk * PROJ_ROWS, n = std::min(PROJ_ROWS, T - r0);
       for (int64_t r = 0; r < n; ++r) gate_row(X + (r0 + r) * C, G + (r0 + r) * H, H, d, gexp.data(), merged.data() + r * C);
-      visattn::sgemm(false, true, n, Co, C, 1.0f, merged.data(), C, W, C, 0.0f, O + r0 * Co, Co);
-      if (b != nullptr) add_bias(O + r0 * Co, b, n, Co);  // while the block's rows are in cache
+      if (b != nullptr) fill_rows(O + r0 * Co, b, n, Co);
+      visattn::sgemm(false, true, n, Co, C, 1.0f, merged.data(), C, W, C, b != nullptr ? 1.0f : 0.0f, O + r0 * Co, Co);
     }
   });
   return out;
@@ -766,6 +827,7 @@ TORCH_LIBRARY(visattn, m) {
   m.def("moh_head_choice(Tensor scores, int capacity) -> Tensor");
   m.def("moh_head_choice_gates(Tensor logits, int S, int E, int capacity, int tokens, bool two_stage, bool shared_routed) -> (Tensor, Tensor)");
   m.def("moh_head_load(Tensor keep, int tokens, int S) -> Tensor");
+  m.def("moh_router_gates(Tensor x, Tensor[] weights, int S, int E, int k, bool two_stage, bool shared_routed, float eps, int tokens) -> (Tensor, Tensor, Tensor)");
   m.def("moh_gated_merge(Tensor heads, Tensor gates) -> Tensor");
   m.def("moh_gated_merge_backward(Tensor grad_out, Tensor heads, Tensor gates) -> (Tensor, Tensor)");
   m.def("moh_gated_proj(Tensor heads, Tensor gates, Tensor weight, Tensor? bias) -> Tensor");
@@ -777,6 +839,7 @@ TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("moh_head_choice", &moh_head_choice);
   m.impl("moh_head_choice_gates", &moh_head_choice_gates);
   m.impl("moh_head_load", &moh_head_load);
+  m.impl("moh_router_gates", &moh_router_gates);
   m.impl("moh_gated_merge", &moh_gated_merge);
   m.impl("moh_gated_merge_backward", &moh_gated_merge_backward);
   m.impl("moh_gated_proj", &moh_gated_proj);
