@@ -3,6 +3,7 @@
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,6 +306,27 @@ def test_the_ratio_interval_pairs_rounds_and_covers_the_measured_ratio():
             ratio_interval(variant[:rounds], load[:rounds], confidence=95)
 
 
+def test_the_reported_ratio_is_the_median_of_the_rounds_ratios_which_drift_does_not_move():
+    """A machine that drifts between 1x and 3x speed: the variant is 0.9x the reference in every round but one in
+    five (1.2x there). The paired ratio is 0.9 with a tight interval; the ratio of the two medians, which draws
+    them from whichever rounds they fall in, gets a bootstrap interval from 0.9 to 1.2."""
+    from visattn.bench.timing import paired_ratio, ratio_interval
+
+    gen = np.random.default_rng(0)
+    load = np.concatenate([np.full(20, 1.0), np.full(21, 3.0)]) * (1 + 0.05 * gen.random(41))
+    per_round = np.where(np.arange(41) % 5 == 0, 1.2, 0.9)
+    variant = (load * per_round).tolist()
+    reference = load.tolist()
+    assert paired_ratio(variant, reference) == pytest.approx(0.9)
+    low, high = ratio_interval(variant, reference)
+    assert 0.9 - 1e-9 < low <= 0.9 <= high < 0.95
+    rounds = gen.integers(0, 41, size=(2000, 41))
+    unpaired = np.median(np.asarray(variant)[rounds], 1) / np.median(np.asarray(reference)[rounds], 1)
+    assert np.quantile(unpaired, 0.975) - np.quantile(unpaired, 0.025) > 5 * (high - low + 0.01)
+    with pytest.raises(ValueError, match="3 samples against 2 reference samples"):
+        paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
 def test_tables_print_each_ratio_with_its_interval_and_images_per_s_inverts_it():
     from visattn.bench.report import markdown_table, ratio_cell
 
@@ -336,3 +358,4 @@ def test_measured_rows_carry_the_interval_of_every_ratio_but_the_references():
     samples, reference = by["four"]["infer_samples_ms"], by["one"]["infer_samples_ms"]
     assert len(samples) == len(reference) == 6
     assert by["four"]["infer_ratio_ci"] == pytest.approx(list(ratio_interval(samples, reference)), rel=1e-9)
+    assert by["four"]["infer_ratio"] == pytest.approx(float(np.median(np.divide(samples, reference))), rel=1e-12)

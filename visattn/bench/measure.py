@@ -12,7 +12,7 @@ import torch
 from visattn.utils.flops import count_flops
 
 from .memory import call_peak_mb
-from .timing import interleaved_times, matmul_peak_flops, median, ratio_interval, synced
+from .timing import interleaved_times, matmul_peak_flops, median, paired_ratio, ratio_interval, synced
 from .workload import DTYPES, Workload, autocast_for
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ def measure_cases(
     ``compile``: time ``torch.compile``d forwards (the warm-up rounds compile; FLOPs are counted eagerly).
 
     ``reference`` (default: the first label) is the denominator of every ratio; all cases of a dtype
-    are timed round-robin in the same rounds, so drift of a shared machine cancels in the ratios.
+    are timed round-robin in the same rounds, and each ratio is the median of the per-round ratios
+    (``timing.paired_ratio``), so drift of a shared machine cancels in it.
     ``clock``: "wall" or "cpu" (process CPU time; see ``timing.CLOCKS``).
     Row keys: label, dtype, infer_ms, infer_ratio, train_ms, train_ratio, infer_flops, train_flops,
     infer_peak_fraction, train_peak_fraction, infer_peak_mb, train_peak_mb, matmul_peak_gflops,
@@ -124,8 +125,6 @@ def measure_cases(
             peak, matmul_peak_flops(mm_dtype, clock=clock, device=device)
         )  # the better of before and after: the machine's peak
 
-        ref_infer = median(infer_times[reference])
-        ref_train = median(train_times[reference]) if reference in train_times else None
         for label, w in works.items():
             row: dict[str, Any] = {
                 "label": label,
@@ -136,7 +135,7 @@ def measure_cases(
             t = median(infer_times[label])
             row.update(
                 infer_ms=1e3 * t,
-                infer_ratio=t / ref_infer,
+                infer_ratio=paired_ratio(infer_times[label], infer_times[reference]),
                 infer_ratio_ci=_interval(label, reference, infer_times),
                 infer_flops=infer_flops[label],
                 infer_peak_fraction=infer_flops[label] / t / peak,
@@ -146,7 +145,8 @@ def measure_cases(
                 t = median(train_times[label])
                 row.update(
                     train_ms=1e3 * t,
-                    train_ratio=t / ref_train if ref_train else None,
+                    train_ratio=paired_ratio(train_times[label], train_times[reference])
+                    if reference in train_times else None,
                     train_ratio_ci=_interval(label, reference, train_times),
                     train_flops=train_flops[label],
                     train_peak_fraction=train_flops[label] / t / peak,

@@ -26,6 +26,7 @@ from visattn.kernels import moh_routed_attention_op
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
 from .measure import measure_cases
 from .report import ratio_cell
+from .timing import paired_ratio
 from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
@@ -95,15 +96,16 @@ def _chosen_path(work: Workload, dtype: str) -> str | None:
 
 
 def _versus_masked(rows: list[dict[str, Any]]) -> None:
-    """Add ``vs_masked``: inference time over the masked dense row of the same routing, budget, dtype."""
+    """Add ``vs_masked``: inference time over the masked dense row of the same routing, budget, dtype (timed in
+    the same rounds: ``timing.paired_ratio``)."""
     masked = {
-        (r["label"].split()[0], r["dtype"]): r["infer_ms"]
+        (r["label"].split()[0], r["dtype"]): r["infer_samples_ms"]
         for r in rows
         if r["label"].endswith(" masked_dense")
     }
     for r in rows:
         ref = masked.get((r["label"].split()[0], r["dtype"]))
-        r["vs_masked"] = r["infer_ms"] / ref if ref and " " in r["label"] else None
+        r["vs_masked"] = paired_ratio(r["infer_samples_ms"], ref) if ref and " " in r["label"] else None
 
 
 def run_paths_bench(

@@ -76,24 +76,37 @@ RATIO_RESAMPLES = 4000
 MIN_ROUNDS_FOR_INTERVAL = 5
 
 
+def paired_ratio(samples: list[float], reference: list[float]) -> float:
+    """The time ratio the benches report for two functions timed in the same rounds (``samples[i]`` and
+    ``reference[i]`` in round i, as ``interleaved_times`` gives them): the median over rounds of
+    ``samples[i] / reference[i]``.
+
+    Each round's ratio cancels what the round shared: the machine's speed at that moment (a neighbour's
+    load, the clock). The ratio of the two medians, reported until the 17th session, did not: the medians
+    could come from rounds a slow spell separated, and on a 2-core EPYC whose timings drifted by +-30% its
+    95% interval was +-15% where this one's was +-2% (same runs; docs/benchmarks.md)."""
+    if len(samples) != len(reference) or not samples:
+        raise ValueError(
+            f"{len(samples)} samples against {len(reference)} reference samples: a paired ratio needs one of each "
+            "per round (interleaved_times)"
+        )
+    return float(np.median(np.asarray(samples) / np.asarray(reference)))
+
+
 def ratio_interval(
     samples: list[float], reference: list[float], confidence: float = RATIO_CONFIDENCE,
     resamples: int = RATIO_RESAMPLES, seed: int = 0,
 ) -> tuple[float, float] | None:
-    """A bootstrap confidence interval of ``median(samples) / median(reference)``, the ratio the benches
-    report, from two functions timed in the same rounds (``samples[i]`` and ``reference[i]`` in round i).
-
-    Whole rounds are resampled, so what a round shared (a neighbour's load on the machine) stays paired.
-    None with fewer than 5 rounds, or where the lists are not one per round. The interval says whether
-    a measured ratio resolves a target: on a machine whose single timings vary by +-20%, a 5% difference
-    needs tens of rounds."""
+    """A bootstrap confidence interval of ``paired_ratio(samples, reference)``, the ratio the benches report,
+    from two functions timed in the same rounds: the rounds are resampled whole. None with fewer than 5 rounds,
+    or where the lists are not one per round. The interval says whether a measured ratio resolves a target."""
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
     n = len(samples)
     if n != len(reference) or n < MIN_ROUNDS_FOR_INTERVAL:
         return None
     rounds = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    ratios = np.median(np.asarray(samples)[rounds], axis=1) / np.median(np.asarray(reference)[rounds], axis=1)
+    ratios = np.median((np.asarray(samples) / np.asarray(reference))[rounds], axis=1)
     tail = (1 - confidence) / 2
     low, high = np.quantile(ratios, [tail, 1 - tail])
     return float(low), float(high)
