@@ -35,9 +35,10 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from visattn.kernels import build_id
+from visattn.kernels import build_id, moh_routing_op
 
 from .base import HeadAttention
+from .fused_gating import functorch_active, needs_grad
 from .head_gather import head_gather_forward, head_gather_supported
 from .impl_probe import PathChoice, device_name, impl_probe
 from .registry import register_attention
@@ -258,12 +259,15 @@ class MoHAttention(HeadAttention):
         The last answer is kept on the layer, so a forward like the one before costs a tuple compare."""
         dtype = compute_dtype(x)
         probe = impl_probe()
-        # the kernel paths that run here (the others would time sparse_projections again)
-        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_path_runs(self, x, p))
-        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, kernels)
+        # what the choice and the kernel paths' availability depend on (kernel_path_runs: the mode, gradients,
+        # functorch, the kernels switched on); checked first, as the availability took ~50 us a layer to work out
+        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, self.training,
+                  needs_grad(self, x), functorch_active(), moh_routing_op() is not None)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:
             return self._recall[2]
+        # the kernel paths that run here (the others would time sparse_projections again)
+        kernels = tuple(p for p in KERNEL_PATHS if p in self.paths and kernel_path_runs(self, x, p))
         dtype_name = str(dtype).removeprefix("torch.")
         device = device_name(x.device)
         shape = tuple(x.shape)

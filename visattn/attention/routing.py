@@ -399,10 +399,11 @@ class HeadRouter(nn.Module):
             return None  # head choice's compiled gates have no backward
         if logits is None and N > 0 and not head_choice and not balanced and not needs_grad(self, x):
             # inference: the logits and the gates in one kernel, where router_linear would take the kernels' loops
-            fused = router_gates(x.reshape(B * N, x.shape[2]), self.linear_weights(), budget, N if keeps_stats() else 0)
+            stats = keeps_stats()
+            fused = router_gates(x.reshape(B * N, x.shape[2]), self.linear_weights(), budget, N if stats else 0)
             if fused is not None:
                 gates, keep, load = fused
-                return self._gates_out(gates, keep, B, N, selection, load)
+                return self._gates_out(gates, keep, B, N, selection, load if stats else None, stats)
         if logits is None:
             logits = self._logits(x)
         assert logits is not None
@@ -419,12 +420,12 @@ class HeadRouter(nn.Module):
     @torch.jit.unused
     def _gates_out(
         self, gates: torch.Tensor, keep: torch.Tensor, B: int, N: int, selection: bool,
-        load: torch.Tensor | None = None,
+        load: torch.Tensor | None = None, stats: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The kernels' gates [B*N, H] and keep [E, B*N] as ``forward`` returns them, recording the head load
-        (``load`` [B, H] where the kernel computed it)."""
+        (``load`` [B, H] where the kernel computed it; ``stats``: ``keeps_stats()`` where the caller asked)."""
         S = self.shared_heads
-        if not keeps_stats():
+        if not (keeps_stats() if stats is None else stats):
             self.head_load = None
         else:
             self.head_load = load if load is not None else image_head_load(keep, B, N, S)
