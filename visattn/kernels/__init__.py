@@ -20,7 +20,9 @@
 - ``moh_routed_proj_op(dtype, head_dim)``: the chosen pairs' output projection alone, bfloat16 on AMX
   tiles (``amx_projection.h``), for ``routed_kernel_grouped``.
 - ``moh_router_logits_op()``: the linear routers' logits without gradients (a matmul of a few output
-  columns, float32, in the loops of ``small_gemm``), where it beats ``F.linear`` on the running machine.
+  columns, float32, in the loops of ``small_gemm``), where it beats ``F.linear`` on the running machine;
+  ``moh_router_gates_op()``: those logits and ``moh_gates``' pass in one op, per block of tokens, for
+  inference (``routing.router_gates``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
