@@ -240,9 +240,9 @@ class HeadAttention(nn.Module):
     ) -> torch.Tensor:
         """Every head computed, unselected heads zeroed by their gates (``forward``'s path; variants
         with other paths fall back to it). x: [B, N, C] -> [B, N, dim_out]."""
-        logits: torch.Tensor | None = None
         if self.router_columns and torch.is_grad_enabled():
             q, k, v, logits = self.project_qkv_and_logits(x)
+            gates, _ = self.route(x, q, selection=False, logits=logits)
         else:
             if self.router_columns and not torch.jit.is_scripting() and self.autocast_on(x):
                 # Under autocast the qkv and the router's matmuls would each cast x (the second cast was
@@ -250,8 +250,18 @@ class HeadAttention(nn.Module):
                 # logits do not come from the qkv matmul here: their 7 extra columns misalign its rows,
                 # which made the matmul and SDPA on its q/k/v views 2-3 ms slower (docs/benchmarks.md).
                 x = x.to(torch.get_autocast_dtype(x.device.type))
-            q, k, v = self.project_qkv(x)
-        gates, _ = self.route(x, q, selection=False, logits=logits)
+            router = self.router
+            early = False  # nested, not `and`: TorchScript skips the body only of an `if` on a None module
+            if router is not None:
+                early = router.router_kind == "linear"
+            if early:
+                # before the qkv matmul, which reads x too: the router then finds x where the layer's norm left
+                # it in cache (the study ViT inferred 1.7% faster, 41 paired rounds; docs/benchmarks.md)
+                gates, _ = self.route(x, None, selection=False)
+                q, k, v = self.project_qkv(x)
+            else:
+                q, k, v = self.project_qkv(x)
+                gates, _ = self.route(x, q, selection=False)
         heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.merge_heads(x, heads, gates)
 
