@@ -193,7 +193,8 @@ def test_eval_under_autocast_casts_x_once_for_qkv_and_the_router():
             with CastsOfX() as casts:
                 out = layer(x)
     assert separate_casts.casts == 2 and casts.casts == 1
-    assert widths == [3 * 32, layer.router.logit_rows, 32]  # qkv, the router, the output projection
+    # the router first (it reads x before the qkv matmul does: base.dense_forward), qkv, the output projection
+    assert widths == [layer.router.logit_rows, 3 * 32, 32]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
