@@ -859,8 +859,6 @@ bool moh_amx_attention(int64_t head_dim) { return visattn::amx_attention_runs(he
 
 namespace visattn {
 
-int64_t router_ldw(int64_t rows) { return padded(rows); }
-
 std::vector<float> pack_router_weights(at::TensorList weights, int64_t C) {
   int64_t R = 0;
   for (const auto& w : weights) R += w.size(0);

@@ -9,9 +9,8 @@
 
 namespace visattn {
 
-// The routers' weights ([R_i, C] each, float32) stacked in order and transposed: [C, ldw] with
-// ldw = router_ldw(sum R_i), the columns past the rows zero; the layout router_logits_rows reads.
-int64_t router_ldw(int64_t rows);
+// The routers' weights ([R_i, C] each, float32) stacked in order and transposed: [C, sum R_i rounded up to 16],
+// the columns past the rows zero; the layout router_logits_rows reads.
 std::vector<float> pack_router_weights(at::TensorList weights, int64_t C);
 
 // out[t, 0..R) (row stride ldo) = x[t, :] @ wt for t < n: x [n, C] with row stride ldx, wt packed as
