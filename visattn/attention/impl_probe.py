@@ -16,9 +16,10 @@ version of them probes again). Identical layers of a model share one probe; a ne
 
 Timing (``default_timer``: this thread's CPU time with one intra-op thread, wall time with several
 or on CUDA): one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
-then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another's best time
-beats it by more than ``margin`` and that path was also faster in most rounds (``pick_path``), so
-noise cannot easily trade it for a path that is really slower. A probe costs about (1 + repeats)
+then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another path's time over
+the reference's, round by round, has a median below ``1 - margin`` and that path was also faster in most
+rounds (``pick_path``), so noise, and a machine whose speed drifts during the probe, cannot easily trade it
+for a path that is really slower. A probe costs about (1 + repeats)
 forwards of each competitive path, once per key and process. It runs under ``torch.no_grad`` and outside any
 dispatch mode (e.g. the FLOP counter), so it neither builds graphs nor counts as the model's work.
 
@@ -45,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from visattn.utils.ratios import round_ratios
 
 log = logging.getLogger(__name__)
 
@@ -148,30 +151,36 @@ def time_paths(
 
 
 def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float) -> str:
-    """The first path, in order of median time, that beats ``reference`` by more than ``margin`` (a
-    fraction) in its best time and was also faster than it in most of the rounds both were timed in;
-    else ``reference``. Ties go to the earlier path.
+    """The first path, in order of its paired ratio to ``reference`` (the median over rounds of its time over
+    the reference's in the same round), whose ratio is below ``1 - margin`` and which was faster than the
+    reference in most of the rounds both were timed in; else ``reference``. Ties go to the earlier path.
 
-    Most rounds, not every one: with a single thread's CPU time the rounds still differ by a few
-    percent, and requiring every round kept the masked dense path for layers whose kernel path was 9%
-    faster at its best (the study ViT's MoH-90 layers: 0.926x MHA's images/s instead of 0.97-0.98x).
-    A burst of load that slows one path in one round is still outvoted. A path that fails the test
-    does not hide the next one.
+    Paired, not best against best: a round's ratio cancels the machine's speed during that round. On a CPU
+    whose speed drifted by +-30% within a run (AMD EPYC, 17th session) the best times of two paths came from
+    different rounds, and the bench's ratio of two medians read MoH-75 at 1.204x `mha` where the paired ratio
+    of the same samples read 1.062 (``visattn.bench.timing.paired_ratio``, which the benches report).
 
-    In order of median, not best: a path whose time varies much can have the best single round and
-    still be slower most of the time. At DiT-B/2 with 11 of 12 heads, ``routed_kernel``'s best round
-    beat ``routed_kernel_dense``'s by 1%, so it was taken, and it then ran 11% slower than it and 4%
-    slower than masked dense (11th session)."""
-    best = {name: min(times) for name, times in samples.items()}
-    typical = {name: statistics.median(times) for name, times in samples.items()}
+    Most rounds, not every one: with a single thread's CPU time the rounds still differ by a few percent, and
+    requiring every round kept the masked dense path for layers whose kernel path was 9% faster (the study
+    ViT's MoH-90 layers: 0.926x MHA's images/s instead of 0.97-0.98x). A burst of load that slows one path in
+    one round is still outvoted, and one lucky round is not enough either: a median of two rounds is their
+    mean, so a path needs the majority too. A path that fails the test does not hide the next one.
+
+    Not by the best single round: a path whose time varies much can have the best round and still be slower
+    most of the time. At DiT-B/2 with 11 of 12 heads, ``routed_kernel``'s best round beat
+    ``routed_kernel_dense``'s by 1%, so it was taken, and it then ran 11% slower than it and 4% slower than
+    masked dense (11th session)."""
     if reference not in samples:
+        typical = {name: statistics.median(times) for name, times in samples.items()}
         return min(typical, key=lambda name: typical[name])
-    for name in sorted(typical, key=lambda name: typical[name]):  # stable: ties keep the earlier path
+    # a path given up after the warm-up pairs its one sample with the reference's first
+    ratios = {name: round_ratios(times, samples[reference]) for name, times in samples.items()}
+    ratio = {name: statistics.median(r) for name, r in ratios.items()}
+    for name in sorted(ratio, key=lambda name: ratio[name]):  # stable: ties keep the earlier path
         if name == reference:
             return reference
-        paired = list(zip(samples[name], samples[reference], strict=False))
-        wins = sum(a < b for a, b in paired)
-        if best[name] < best[reference] * (1 - margin) and 2 * wins > len(paired):
+        wins = sum(r < 1 for r in ratios[name])
+        if ratio[name] < 1 - margin and 2 * wins > len(ratios[name]):
             return name
     return reference
 

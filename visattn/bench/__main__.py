@@ -24,7 +24,7 @@ from visattn.utils.machine import describe_machine, machine_line
 from .attention import Shape, run_attention_bench
 from .loop import TASKS, loop_table, run_loop_bench
 from .models import MODEL_PRESETS, run_model_bench
-from .paths import paths_table, run_paths_bench
+from .paths import PATH_CHOICES, ROUTINGS, paths_table, run_paths_bench
 from .report import markdown_table
 from .study import STUDY_TASKS, run_study_bench
 from .workload import DTYPES
@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     paths = sub.add_parser("paths", help="MoH's exact inference paths, impl=auto and head choice vs mha")
     paths.add_argument("--shapes", nargs="+", default=STUDY_SHAPES, help="batch,tokens,dim,heads")
     paths.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.75], help="active-head fractions")
+    paths.add_argument("--paths", nargs="+", default=None, choices=PATH_CHOICES, metavar="PATH",
+                       help="time only these rows besides mha (default: all): MoH's paths where a layer has them, "
+                            f"auto, kernel_parts (the second MHA row); one of {', '.join(PATH_CHOICES)}")
+    paths.add_argument("--routings", nargs="+", default=None, choices=sorted(ROUTINGS),
+                       help="time only these routings' rows (moh: token choice, hc: head choice; default: both)")
     _common(paths)
     paths.set_defaults(dtypes=["fp32"])
     mod = sub.add_parser("model", help="whole presets, images/s")
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]
         rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock,
-                               device=device)
+                               device=device, paths=args.paths, routings=args.routings)
         table = paths_table(rows)
     else:
         rows = run_model_bench(

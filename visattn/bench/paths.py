@@ -5,7 +5,8 @@ Per shape, dtype and budget, interleaved in the same rounds: MoH (token choice) 
 has (masked dense, dense projections, sparse projections) and through ``auto``; head-choice MoH
 through its paths (masked dense, dense projections, head gather) and ``auto``. Rows give the
 inference time relative to ``mha`` and to the masked dense path of the same routing and budget, and
-for ``auto`` the path its probe chose. Inference only (eval, no grad).
+for ``auto`` the path its probe chose. Inference only (eval, no grad). ``--paths`` and ``--routings`` time
+only some of the rows (shorter rounds, so more of them in the same time).
 
 The reference stays ``mha`` as users run it (timm's layer: SDPA, an addmm with qkv's bias). A second
 MHA row, ``mha kernel_parts``, computes the same layer with the parts MoH's kernel paths use
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from visattn.attention import build_attention, impl_choices
+from visattn.attention.moh import PATHS
 from visattn.attention.sparse import compute_dtype, matmul_param
 from visattn.kernels import moh_routed_attention_op
 
@@ -30,7 +32,10 @@ from .timing import paired_ratio
 from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
-KERNEL_PARTS = "mha kernel_parts"
+KERNEL_PARTS_ROW = "kernel_parts"
+KERNEL_PARTS = f"mha {KERNEL_PARTS_ROW}"
+# the rows --paths may keep: MoH's paths (every layer's, whichever it has), auto, and the second MHA row
+PATH_CHOICES = (*PATHS, "auto", KERNEL_PARTS_ROW)
 
 
 class MHAOnKernelParts(torch.nn.Module):
@@ -69,18 +74,36 @@ class MHAOnKernelParts(torch.nn.Module):
         return torch.nn.functional.linear(z, matmul_param(mha.proj.weight, dtype), bias).view(B, N, -1)
 
 
-def path_cases(shape: Shape, budgets: list[float]) -> list[AttentionCase]:
+def path_cases(
+    shape: Shape, budgets: list[float], paths: list[str] | None = None, routings: list[str] | None = None
+) -> list[AttentionCase]:
     """``mha``, then per budget and routing one row per path of the layer and one for ``auto``
-    (labels ``moh-50 masked_dense``, ``hc-75 auto``, ...)."""
-    cases = [AttentionCase("mha", "mha", train=False), AttentionCase(KERNEL_PARTS, "mha", train=False)]
+    (labels ``moh-50 masked_dense``, ``hc-75 auto``, ...). ``paths`` keeps only the rows of those names
+    (``PATH_CHOICES``; ``kernel_parts`` is the second MHA row) that the layer has, and ``routings`` only those
+    label prefixes (``ROUTINGS``); ``mha`` is always timed, as every ratio's reference. Fewer rows make a
+    round shorter, so more rounds fit in the same time: what narrows the intervals on a machine whose speed
+    drifts."""
+    for name in paths or []:
+        if name not in PATH_CHOICES:
+            raise ValueError(f"paths: {name!r} is not a row of this bench; use some of {', '.join(PATH_CHOICES)}")
+    for prefix in routings or []:
+        if prefix not in ROUTINGS:
+            raise ValueError(f"routings: {prefix!r} is not known; use some of {', '.join(ROUTINGS)}")
+    wanted = set(PATH_CHOICES if paths is None else paths)
+    cases = [AttentionCase("mha", "mha", train=False)]
+    if KERNEL_PARTS_ROW in wanted:
+        cases.append(AttentionCase(KERNEL_PARTS, "mha", train=False))
     for fraction in budgets:
         shared, topk = moh_budget(shape.heads, fraction)
         for prefix, routing in ROUTINGS.items():
+            if routings is not None and prefix not in routings:
+                continue
             kwargs = {"shared_heads": shared, "routed_topk": topk, "routing": routing}
-            paths = build_attention("moh", shape.dim, num_heads=shape.heads, **kwargs).paths
+            layer_paths = build_attention("moh", shape.dim, num_heads=shape.heads, **kwargs).paths
             label = f"{prefix}-{round(100 * fraction)}"
-            for impl in (*paths, "auto"):
-                cases.append(AttentionCase(f"{label} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
+            for impl in (*layer_paths, "auto"):
+                if impl in wanted:
+                    cases.append(AttentionCase(f"{label} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
     return cases
 
 
@@ -116,17 +139,21 @@ def run_paths_bench(
     repeats: int = 10,
     clock: str = "wall",
     device: torch.device | str = "cpu",
+    paths: list[str] | None = None,
+    routings: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure.measure_cases`` gives them (inference keys) plus ``shape``, ``vs_masked`` and
-    ``auto_path``; ratios are to ``mha`` in the same interleaved rounds."""
+    ``auto_path``; ratios are to ``mha`` in the same interleaved rounds. ``paths`` / ``routings``: only
+    those rows (``path_cases``)."""
+    cases = {str(shape): path_cases(shape, budgets, paths, routings) for shape in shapes}  # bad names: before timing
     rows = []
     for shape in shapes:
-        rows += _shape_rows(shape, budgets, dtypes, warmup, repeats, clock, device)
+        rows += _shape_rows(shape, cases[str(shape)], dtypes, warmup, repeats, clock, device)
     return rows
 
 
 def _shape_rows(
-    shape: Shape, budgets: list[float], dtypes: list[str], warmup: int, repeats: int, clock: str,
+    shape: Shape, shape_cases: list[AttentionCase], dtypes: list[str], warmup: int, repeats: int, clock: str,
     device: torch.device | str,
 ) -> list[dict[str, Any]]:
     """The rows of one layer shape, every case timed in the same interleaved rounds."""
@@ -138,7 +165,7 @@ def _shape_rows(
             works[label].module = MHAOnKernelParts(works[label].module)
         return works[label]
 
-    cases = {c.label: (c, (c.label, c.name, c.kwargs)) for c in path_cases(shape, budgets)}
+    cases = {c.label: (c, (c.label, c.name, c.kwargs)) for c in shape_cases}
     rows = measure_cases(
         cases, build, dtypes, warmup, repeats, train=False, memory=False, reference="mha", clock=clock,
         device=device,

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from visattn.utils.ratios import median_ratio
+
 CLOCKS: dict[str, Callable[[], float]] = {
     "wall": time.perf_counter,
     # CPU seconds of this process: on a machine shared with other jobs, time spent waiting for a
@@ -90,7 +92,7 @@ def paired_ratio(samples: list[float], reference: list[float]) -> float:
             f"{len(samples)} samples against {len(reference)} reference samples: a paired ratio needs one of each "
             "per round (interleaved_times)"
         )
-    return float(np.median(np.asarray(samples) / np.asarray(reference)))
+    return median_ratio(samples, reference)
 
 
 def ratio_interval(
