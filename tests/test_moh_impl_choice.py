@@ -163,6 +163,22 @@ def test_a_path_is_compared_with_masked_dense_round_by_round():
     assert pick_path(samples, "masked_dense", margin=0.02) == "masked_dense"
 
 
+def test_the_choice_records_the_paired_ratios_it_was_made_by(caplog):
+    """``PathChoice.ratios``: each path's time over masked dense's, the median of the probe's rounds, in the record
+    and the log line (the best times alone would not explain a choice on a machine whose speed drifts)."""
+    m = _moh()
+    timer = ScriptedTimer({"masked_dense": 2.0, "dense_projections": 1.0, "sparse_projections": 3.0, "routed_kernel": 3.0,
+                           "routed_kernel_loops": 3.0, "masked_kernel_loops": 3.0, "routed_kernel_dense": 3.0})
+    with use_impl_probe(ImplProbe(timer=timer)), torch.no_grad(), caplog.at_level("INFO", "visattn.attention.impl_probe"):
+        m(torch.randn(2, 9, 32))
+    choice = m.path_log["[2, 9, 32] float32"]
+    assert choice.path == "dense_projections"
+    assert choice.ratios["masked_dense"] == 1.0 and choice.ratios["dense_projections"] == 0.5
+    assert set(choice.ratios) == set(choice.times_ms)
+    assert "time vs masked_dense, median of the rounds" in caplog.text and "'dense_projections': 0.5" in caplog.text
+    assert impl_choices(m)["layers"][0]["choices"]["[2, 9, 32] float32"]["ratios"] == choice.ratios
+
+
 def test_a_path_given_up_after_the_warm_up_is_compared_by_its_one_sample():
     samples = {"masked_dense": [4.0], "routed_kernel": [1.0, 1.1], "routed_kernel_loops": [1.2, 1.2]}
     assert pick_path(samples, "masked_dense", margin=0.02) == "routed_kernel"

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from visattn.utils.ratios import round_ratios
+from visattn.utils.ratios import median_ratio, round_ratios
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class PathChoice:
 
     ``source``: ``"probe"`` (timed now), ``"cache"`` (timed earlier in this process), ``"disk"``
     (timed by an earlier process), ``"fixed"`` (the layer's ``impl`` names the path) or ``"fallback"``
-    (no probe possible: traced, fake or empty input)."""
+    (no probe possible: traced, fake or empty input). ``times_ms``: each path's best time; ``ratios``: each
+    path's time over the reference's, the median over the probe's rounds (what ``pick_path`` decides by)."""
 
     path: str
     device: str
@@ -118,6 +119,7 @@ class PathChoice:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     times_ms: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         """JSON-able fields for a run record."""
@@ -126,7 +128,7 @@ class PathChoice:
         return out
 
     def cached(self, source: str) -> PathChoice:
-        return PathChoice(self.path, self.device, source, self.shape, self.dtype, dict(self.times_ms))
+        return PathChoice(self.path, self.device, source, self.shape, self.dtype, dict(self.times_ms), dict(self.ratios))
 
 
 def time_paths(
@@ -148,6 +150,14 @@ def time_paths(
         for name in timed:
             samples[name].append(timer(name, runs[name]))
     return {name: samples.get(name) or [warm[name]] for name in runs}
+
+
+def paired_ratios(samples: Mapping[str, list[float]], reference: str) -> dict[str, float]:
+    """Each path's time over ``reference``'s: the median over the rounds both were timed in of the round's ratio
+    (``visattn.utils.ratios.median_ratio``); empty without the reference."""
+    if reference not in samples:
+        return {}
+    return {name: median_ratio(times, samples[reference]) for name, times in samples.items()}
 
 
 def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float) -> str:
@@ -175,7 +185,7 @@ def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float)
         return min(typical, key=lambda name: typical[name])
     # a path given up after the warm-up pairs its one sample with the reference's first
     ratios = {name: round_ratios(times, samples[reference]) for name, times in samples.items()}
-    ratio = {name: statistics.median(r) for name, r in ratios.items()}
+    ratio = paired_ratios(samples, reference)
     for name in sorted(ratio, key=lambda name: ratio[name]):  # stable: ties keep the earlier path
         if name == reference:
             return reference
@@ -242,8 +252,10 @@ class ImplProbe:
                 samples = time_paths(runs, self.timer, self.repeats, self.give_up)
             path = pick_path(samples, reference, self.margin)
             times = {name: round(1e3 * min(s), 4) for name, s in samples.items()}
-            choice = PathChoice(path, device, "probe", tuple(shape), dtype, times)
-            log.info("impl=auto on %s for %s %s: %s (best ms: %s)", device, dtype, list(shape), path, times)
+            ratios = {name: round(r, 4) for name, r in paired_ratios(samples, reference).items()}
+            choice = PathChoice(path, device, "probe", tuple(shape), dtype, times, ratios)
+            log.info("impl=auto on %s for %s %s: %s (best ms: %s; time vs %s, median of the rounds: %s)", device, dtype,
+                     list(shape), path, times, reference, ratios)
             self._save(key, choice)
         self.choices[key] = choice
         return choice

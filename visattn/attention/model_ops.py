@@ -59,7 +59,8 @@ def impl_choices(model: nn.Module) -> dict[str, Any]:
     entry per attention layer in forward order: ``layer`` (its module name), ``impl`` (its setting,
     None for variants with a single path), ``path`` (the path of its last forward that could leave
     the dense one; ``"masked_dense"`` / ``"dense"`` otherwise), ``choices`` (per input shape and
-    dtype seen: the path, the device it was chosen on, ``source`` and the probe's best times in ms)
+    dtype seen: the path, the device it was chosen on, ``source``, the probe's best times in ms and each
+    path's time over the masked dense one's, the median of the probe's rounds)
     and, for MoH layers, ``train_path`` (what training takes: the named path, or under ``auto`` the
     layer's ``train_path``). Only eval forwards of ``impl="auto"`` layers probe; call it after evaluation."""
     param = next(model.parameters(), None)
