@@ -327,6 +327,71 @@ def test_the_reported_ratio_is_the_median_of_the_rounds_ratios_which_drift_does_
         paired_ratio([1.0, 2.0, 3.0], [1.0, 2.0])
 
 
+def test_the_pooled_interval_covers_a_change_of_the_machine_between_runs():
+    """Two runs whose machines differed: the variant 0.95x the reference in every round of one, 1.00x in the
+    other. Each run's own interval is tight around its ratio and excludes the other's; the pooled interval
+    (runs, then rounds, resampled) spans both. Two runs that agree keep a tight pooled interval."""
+    from visattn.bench.timing import pooled_interval, pooled_ratio, ratio_interval
+
+    gen = np.random.default_rng(0)
+    load = [(1 + gen.random(41)).tolist() for _ in range(2)]
+    noise = [1 + 0.01 * (gen.random(41) - 0.5) for _ in range(2)]
+    slower = [(np.asarray(load[0]) * 0.95 * noise[0]).tolist(), (np.asarray(load[1]) * 1.00 * noise[1]).tolist()]
+    runs = list(zip(slower, load, strict=True))
+    for (samples, reference), ratio in zip(runs, (0.95, 1.00), strict=True):
+        low, high = ratio_interval(samples, reference)
+        assert ratio - 0.006 < low <= high < ratio + 0.006
+    low, high = pooled_interval(runs)
+    assert low < 0.955 and high > 0.995
+    assert 0.95 < pooled_ratio(runs) < 1.0
+    agree = [runs[0], runs[0]]
+    low, high = pooled_interval(agree)
+    assert 0.944 < low <= high < 0.956
+    assert pooled_interval([(s[:4], r[:4]) for s, r in runs]) is None  # too few rounds
+    with pytest.raises(ValueError, match="40 samples against 41 reference samples"):
+        pooled_ratio([(slower[0][:40], load[0])])
+
+
+def _bench_json(cpu: str, ratios: dict[str, float], rounds: int = 6) -> dict:
+    """A bench's --out JSON with rows timed at fixed ratios to ``mha`` (the first row)."""
+    ref = [10.0 + i for i in range(rounds)]
+    rows = [{"shape": "s", "dtype": "fp32", "label": label, "infer_samples_ms": [r * t for t in ref],
+             **({"auto_path": "routed_kernel"} if label.endswith("auto") else {})} for label, r in ratios.items()]
+    meta = {"mode": "paths", "cpu": cpu, "torch": "2.x", "threads": 1, "clock": "cpu", "device": f"cpu: {cpu}"}
+    return {"meta": meta, "rows": rows}
+
+
+def test_bench_pool_reports_each_run_and_the_pooled_ratio(tmp_path, capsys):
+    runs = [_bench_json("EPYC", {"mha": 1.0, "moh-50 auto": r, "moh-50 masked_dense": 1.0}) for r in (0.8, 0.9)]
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "pooled.json"
+    main(["pool", *map(str, paths), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("Pooled 2 runs of `paths` on cpu: EPYC")
+    assert "| moh-50 auto -> routed_kernel / routed_kernel | 2 | 0.800 / 0.900 | 0.850 (0.800-0.900) |" in printed
+    pooled = json.loads(out.read_text())
+    assert pooled["meta"]["runs"] == list(map(str, paths)) and pooled["meta"]["pooled_mode"] == "paths"
+    by = {r["label"]: r for r in pooled["rows"]}
+    assert by["mha"]["infer_ratio"] == 1.0 and by["mha"]["infer_ratio_ci"] is None
+    assert by["moh-50 auto"]["infer_run_ratios"] == pytest.approx([0.8, 0.9])
+
+
+def test_bench_pool_refuses_runs_it_cannot_pool(tmp_path):
+    good, other = tmp_path / "a.json", tmp_path / "b.json"
+    good.write_text(json.dumps(_bench_json("EPYC", {"mha": 1.0, "moh": 0.9})))
+    other.write_text(json.dumps(_bench_json("Xeon", {"mha": 1.0, "moh": 0.9})))
+    with pytest.raises(SystemExit, match=r"b.json: cpu='Xeon' but .*a.json has cpu='EPYC'; pool runs of one command"):
+        main(["pool", str(good), str(other)])
+    with pytest.raises(SystemExit, match="at least two runs"):
+        main(["pool", str(good)])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"cannot read .*bad.json .*give the JSON files a bench wrote with --out"):
+        main(["pool", str(good), str(tmp_path / "bad.json")])
+
+
 def test_tables_print_each_ratio_with_its_interval_and_images_per_s_inverts_it():
     from visattn.bench.report import markdown_table, ratio_cell
 

@@ -1,4 +1,4 @@
-"""CLI: ``python -m visattn.bench attention|model|paths|study|loop ...``.
+"""CLI: ``python -m visattn.bench attention|model|paths|study|loop|pool ...``.
 
 Prints a markdown table and writes every measurement (raw samples included) to ``--out`` as JSON.
 Ratios are to the reference (``mha``) measured in the same interleaved rounds; report those, not
@@ -25,6 +25,7 @@ from .attention import Shape, run_attention_bench
 from .loop import TASKS, loop_table, run_loop_bench
 from .models import MODEL_PRESETS, run_model_bench
 from .paths import PATH_CHOICES, ROUTINGS, paths_table, run_paths_bench
+from .pool import pool_runs, pool_table
 from .report import markdown_table
 from .study import STUDY_TASKS, run_study_bench
 from .workload import DTYPES
@@ -119,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "('<cell> <impl>' rows, same rounds; e.g. sparse or routed_kernel_loops to train on it)")
     _common(study)
     study.set_defaults(dtypes=["fp32"], memory=False)
+    pool = sub.add_parser("pool", help="several runs' JSON (--out) of one bench command: ratios pooled over the runs")
+    pool.add_argument("runs", nargs="+", type=Path, help="the runs' JSON files (at least two)")
+    pool.add_argument("--out", type=Path, default=None, help="JSON file for the pooled rows")
     loop = sub.add_parser("loop", help="the engine's training step vs a bare PyTorch loop, per task (overhead)")
     loop.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     loop.add_argument("--vit", default="small_patch16_224", help="classification: a ViT preset (visattn.models.vit)")
@@ -136,9 +140,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _finish(out: Path | None, meta: dict, rows: list[dict], text: str) -> dict:
+    """Write ``{"meta", "rows"}`` to ``out`` (atomically; None: nowhere), print ``text``, return the result."""
+    result = {"meta": meta, "rows": rows}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+    sys.stdout.write(text)
+    return result
+
+
+def pool_main(args: argparse.Namespace) -> dict:
+    """``pool``: read the runs, print the pooled table, write the pooled rows (with the runs' meta) to ``--out``."""
+    results = []
+    for path in args.runs:
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"pool: cannot read {path} ({err}); give the JSON files a bench wrote with --out") from err
+        if not isinstance(results[-1], dict) or "meta" not in results[-1] or "rows" not in results[-1]:
+            raise SystemExit(f"pool: {path} has no 'meta' and 'rows'; give the JSON files a bench wrote with --out")
+    try:
+        rows = pool_runs(results, [str(p) for p in args.runs])
+    except ValueError as err:
+        raise SystemExit(f"pool: {err}") from err
+    meta = {**results[0]["meta"], "mode": "pool", "pooled_mode": results[0]["meta"].get("mode"),
+            "runs": [str(p) for p in args.runs]}
+    header = (f"Pooled {len(results)} runs of `{meta['pooled_mode']}` on {meta.get('device', meta.get('cpu'))} "
+              f"({meta.get('threads')} thread(s), {meta.get('clock')} clock)\n")
+    return _finish(args.out, meta, rows, header + pool_table(rows))
+
+
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    if args.mode == "pool":
+        return pool_main(args)
     tuned = tune_glibc_malloc()
     torch.set_num_threads(args.threads)
     machine = describe_machine()
@@ -210,15 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
             compare_kernels=args.compare_kernels,
         )
         table = markdown_table(rows, "preset")
-    result = {"meta": meta, "rows": rows}
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.out)
-    sys.stdout.write(f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\n"
-                     f"Device: {meta['device']}\n{table}")
-    return result
+    header = f"Machine: {machine_line(machine)}; {args.threads} thread(s), {args.clock} clock\nDevice: {meta['device']}\n"
+    return _finish(args.out, meta, rows, header + table)
 
 
 if __name__ == "__main__":

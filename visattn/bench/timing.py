@@ -114,6 +114,38 @@ def ratio_interval(
     return float(low), float(high)
 
 
+def pooled_ratio(runs: list[tuple[list[float], list[float]]]) -> float:
+    """The paired ratio of several runs of one comparison (``(samples, reference)`` per run, each timed in the
+    same rounds as ``paired_ratio`` takes them): the median of every round's ratio, all runs' rounds pooled."""
+    for samples, reference in runs:
+        paired_ratio(samples, reference)  # refuses unpaired lists, naming their lengths
+    return float(np.median(np.concatenate([np.asarray(s) / np.asarray(r) for s, r in runs])))
+
+
+def pooled_interval(
+    runs: list[tuple[list[float], list[float]]], confidence: float = RATIO_CONFIDENCE,
+    resamples: int = RATIO_RESAMPLES, seed: int = 0,
+) -> tuple[float, float] | None:
+    """A bootstrap interval of ``pooled_ratio(runs)`` that covers the change of the machine between runs as well
+    as the noise within each: the runs are resampled, then each drawn run's rounds (two-level bootstrap). One
+    run's ``ratio_interval`` cannot show the first: two runs a few minutes apart on one machine differed by more
+    than either run's interval (docs/benchmarks.md, 17th session). None where a run has fewer than 5 rounds."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
+    pooled_ratio(runs)  # the same checks
+    if not runs or any(len(s) < MIN_ROUNDS_FOR_INTERVAL for s, _ in runs):
+        return None
+    ratios = [np.asarray(s) / np.asarray(r) for s, r in runs]
+    rng = np.random.default_rng(seed)
+    medians = np.empty(resamples)
+    for i in range(resamples):
+        drawn = [ratios[j] for j in rng.integers(0, len(ratios), size=len(ratios))]
+        medians[i] = np.median(np.concatenate([run[rng.integers(0, len(run), size=len(run))] for run in drawn]))
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(medians, [tail, 1 - tail])
+    return float(low), float(high)
+
+
 PROBE_BUDGET_S = 0.05  # time the peak probe aims for, on any CPU or GPU
 PROBE_START_SIZE = 64
 PROBE_MAX_SIZE = 4096
