@@ -179,6 +179,45 @@ def test_the_choice_records_the_paired_ratios_it_was_made_by(caplog):
     assert impl_choices(m)["layers"][0]["choices"]["[2, 9, 32] float32"]["ratios"] == choice.ratios
 
 
+class DriftingTimer:
+    """``routed_kernel`` takes ``early`` seconds in its first ``calls`` timings and ``late`` after; masked dense 1;
+    every other path 3 (given up after the warm-up). Records each call's path."""
+
+    def __init__(self, early: float, late: float, calls: int = 6) -> None:
+        self.early, self.late, self.switch = early, late, calls
+        self.calls: list[str] = []
+
+    def __call__(self, path, run):
+        self.calls.append(path)
+        if path == "routed_kernel":
+            return self.early if self.calls.count(path) <= self.switch else self.late
+        return 1.0 if path == "masked_dense" else 3.0
+
+
+@pytest.mark.parametrize(
+    ("early", "late", "confirm", "chosen", "kernel_calls"),
+    [
+        (0.97, 1.03, 10, "masked_dense", 1 + 5 + 1 + 10),  # a close call, rechecked: slower over all its rounds
+        (0.97, 0.97, 10, "routed_kernel", 1 + 5 + 1 + 10),  # a close call that holds
+        (0.50, 1.03, 10, "routed_kernel", 1 + 5),  # a clear win: no more rounds
+        (0.97, 1.03, 0, "routed_kernel", 1 + 5),  # confirm=0: the five rounds decide
+    ],
+)
+def test_a_close_call_is_timed_again_against_masked_dense(early, late, confirm, chosen, kernel_calls):
+    m = _moh()
+    with torch.no_grad():  # as the probe runs it
+        if "routed_kernel" not in m.paths or not kernel_path_runs(m, torch.randn(2, 9, 32), "routed_kernel"):
+            pytest.skip("no routed_kernel path on this machine (visattn.kernels)")
+    timer = DriftingTimer(early, late)
+    with use_impl_probe(ImplProbe(timer=timer, confirm=confirm)), torch.no_grad():
+        m(torch.randn(2, 9, 32))
+    choice = m.path_log["[2, 9, 32] float32"]
+    assert choice.path == chosen and timer.calls.count("routed_kernel") == kernel_calls
+    assert timer.calls.count("masked_dense") == kernel_calls  # timed beside it, round for round
+    if kernel_calls > 6:  # the record covers every round the decision read
+        assert choice.ratios["routed_kernel"] == pytest.approx(late if late > early else early)
+
+
 def test_a_path_given_up_after_the_warm_up_is_compared_by_its_one_sample():
     samples = {"masked_dense": [4.0], "routed_kernel": [1.0, 1.1], "routed_kernel_loops": [1.2, 1.2]}
     assert pick_path(samples, "masked_dense", margin=0.02) == "routed_kernel"
@@ -306,6 +345,8 @@ def test_bad_probe_settings_and_impls_name_the_fix():
         ImplProbe(repeats=0)
     with pytest.raises(ValueError, match="margin=1.5"):
         ImplProbe(margin=1.5)
+    with pytest.raises(ValueError, match=r"confirm=-1 must be >= 0"):
+        ImplProbe(confirm=-1)
     with pytest.raises(
         ValueError, match=r"impl='head_gather' is not available.*it has: auto, dense, masked_dense"
     ):

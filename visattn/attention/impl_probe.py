@@ -19,9 +19,11 @@ or on CUDA): one warm-up round (paths slower than ``give_up`` times the fastest 
 then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another path's time over
 the reference's, round by round, has a median below ``1 - margin`` and that path was also faster in most
 rounds (``pick_path``), so noise, and a machine whose speed drifts during the probe, cannot easily trade it
-for a path that is really slower. A probe costs about (1 + repeats)
-forwards of each competitive path, once per key and process. It runs under ``torch.no_grad`` and outside any
-dispatch mode (e.g. the FLOP counter), so it neither builds graphs nor counts as the model's work.
+for a path that is really slower. A path that wins by less than twice the margin is timed against the
+reference alone for ``confirm`` rounds more and kept only if it still wins (else the reference). A probe
+costs about (1 + repeats) forwards of each competitive path (and 1 + confirm of two paths on a close call),
+once per key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
+counter), so it neither builds graphs nor counts as the model's work.
 
 Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
 per key under ``${VISATTN_CACHE:-~/.cache/visattn}/impl_choices/``. A choice made on a loaded
@@ -211,6 +213,10 @@ class ImplProbe:
         margin: how much faster than the reference another path must be to replace it.
         give_up: paths whose warm-up took more than this times the fastest warm-up are not timed again.
         disk_dir: directory of the on-disk cache, or None for this process only.
+        confirm: more rounds of a close call: a path picked over the reference by less than twice ``margin`` is
+            timed against it alone for this many rounds more, and kept only if it still wins over all its rounds
+            (0: never). On a 2-core AMD EPYC five rounds took, in one run of three, a path that was 4% slower
+            than masked dense over 93 rounds (DiT-B/2 with 11 of 12 heads; docs/benchmarks.md, 18th session).
     """
 
     def __init__(
@@ -220,9 +226,12 @@ class ImplProbe:
         margin: float = 0.02,
         give_up: float = 3.0,
         disk_dir: Path | str | None = None,
+        confirm: int = 10,
     ) -> None:
         if repeats < 1:
             raise ValueError(f"repeats={repeats} must be >= 1 (timed rounds after the warm-up)")
+        if confirm < 0:
+            raise ValueError(f"confirm={confirm} must be >= 0 (rounds that recheck a close call; 0: none)")
         if not 0 <= margin < 1:
             raise ValueError(f"margin={margin} must be a fraction in [0, 1)")
         if give_up < 1:
@@ -231,6 +240,7 @@ class ImplProbe:
         self.repeats = repeats
         self.margin = margin
         self.give_up = give_up
+        self.confirm = confirm
         self.disk_dir = Path(disk_dir).expanduser() if disk_dir is not None else None
         self.choices: dict[tuple, PathChoice] = {}
 
@@ -250,7 +260,12 @@ class ImplProbe:
         if choice is None:
             with torch.no_grad(), outside_dispatch_modes():
                 samples = time_paths(runs, self.timer, self.repeats, self.give_up)
-            path = pick_path(samples, reference, self.margin)
+                path = pick_path(samples, reference, self.margin)
+                if self._close_call(samples, path, reference):
+                    pair = {name: runs[name] for name in (path, reference)}
+                    more = time_paths(pair, self.timer, self.confirm, give_up=float("inf"))
+                    samples = {**samples, **{name: samples[name] + more[name] for name in pair}}
+                    path = pick_path({name: samples[name] for name in pair}, reference, self.margin)
             times = {name: round(1e3 * min(s), 4) for name, s in samples.items()}
             ratios = {name: round(r, 4) for name, r in paired_ratios(samples, reference).items()}
             choice = PathChoice(path, device, "probe", tuple(shape), dtype, times, ratios)
@@ -259,6 +274,12 @@ class ImplProbe:
             self._save(key, choice)
         self.choices[key] = choice
         return choice
+
+    def _close_call(self, samples: Mapping[str, list[float]], path: str, reference: str) -> bool:
+        """Whether ``path`` won over ``reference`` by less than twice the margin (and rounds are left to check it)."""
+        if not self.confirm or path == reference or reference not in samples:
+            return False
+        return median_ratio(samples[path], samples[reference]) > 1 - 2 * self.margin
 
     def _file(self, key: tuple) -> Path | None:
         if self.disk_dir is None:
