@@ -350,6 +350,8 @@ def test_the_pooled_interval_covers_a_change_of_the_machine_between_runs():
     assert pooled_interval([(s[:4], r[:4]) for s, r in runs]) is None  # too few rounds
     with pytest.raises(ValueError, match="40 samples against 41 reference samples"):
         pooled_ratio([(slower[0][:40], load[0])])
+    with pytest.raises(ValueError, match="no runs to pool"):
+        pooled_interval([])
 
 
 def _bench_json(cpu: str, ratios: dict[str, float], rounds: int = 6) -> dict:

@@ -117,6 +117,8 @@ def ratio_interval(
 def pooled_ratio(runs: list[tuple[list[float], list[float]]]) -> float:
     """The paired ratio of several runs of one comparison (``(samples, reference)`` per run, each timed in the
     same rounds as ``paired_ratio`` takes them): the median of every round's ratio, all runs' rounds pooled."""
+    if not runs:
+        raise ValueError("no runs to pool: give one (samples, reference) pair of lists per run")
     for samples, reference in runs:
         paired_ratio(samples, reference)  # refuses unpaired lists, naming their lengths
     return float(np.median(np.concatenate([np.asarray(s) / np.asarray(r) for s, r in runs])))
@@ -133,7 +135,7 @@ def pooled_interval(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence} must be between 0 and 1, e.g. 0.95")
     pooled_ratio(runs)  # the same checks
-    if not runs or any(len(s) < MIN_ROUNDS_FOR_INTERVAL for s, _ in runs):
+    if any(len(s) < MIN_ROUNDS_FOR_INTERVAL for s, _ in runs):
         return None
     ratios = [np.asarray(s) / np.asarray(r) for s, r in runs]
     rng = np.random.default_rng(seed)
