@@ -187,7 +187,7 @@ def pick_path(samples: Mapping[str, list[float]], reference: str, margin: float)
         return min(typical, key=lambda name: typical[name])
     # a path given up after the warm-up pairs its one sample with the reference's first
     ratios = {name: round_ratios(times, samples[reference]) for name, times in samples.items()}
-    ratio = paired_ratios(samples, reference)
+    ratio = {name: statistics.median(r) for name, r in ratios.items()}  # paired_ratios, from the lists at hand
     for name in sorted(ratio, key=lambda name: ratio[name]):  # stable: ties keep the earlier path
         if name == reference:
             return reference
