@@ -73,8 +73,8 @@ def pool_runs(results: list[dict[str, Any]], names: list[str] | None = None) -> 
                 continue
             out[f"{mode}_run_ratios"] = [paired_ratio(s, r) for s, r in runs]
             out[f"{mode}_ratio"] = pooled_ratio(runs)
-            reference = label == refs[0][(group, dtype)]["label"]  # its ratio is 1 by definition
-            out[f"{mode}_ratio_ci"] = pooled_interval(runs) if len(runs) > 1 and not reference else None
+            is_reference = label == refs[0][(group, dtype)]["label"]  # its ratio is 1 by definition
+            out[f"{mode}_ratio_ci"] = pooled_interval(runs) if len(runs) > 1 and not is_reference else None
         pooled.append(out)
     return pooled
 

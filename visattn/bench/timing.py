@@ -121,7 +121,7 @@ def pooled_ratio(runs: list[tuple[list[float], list[float]]]) -> float:
         raise ValueError("no runs to pool: give one (samples, reference) pair of lists per run")
     for samples, reference in runs:
         paired_ratio(samples, reference)  # refuses unpaired lists, naming their lengths
-    return float(np.median(np.concatenate([np.asarray(s) / np.asarray(r) for s, r in runs])))
+    return median_ratio([t for s, _ in runs for t in s], [t for _, r in runs for t in r])
 
 
 def pooled_interval(
