@@ -2,6 +2,7 @@
 
 import functools
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,6 +162,50 @@ def test_without_a_compiler_routing_falls_back_to_pytorch_with_a_warning(monkeyp
         kernels._load.cache_clear()
 
 
+def test_a_build_is_not_blocked_by_a_stale_cpp_extension_lock(monkeypatch, tmp_path):
+    """torch up to 2.11 builds under a baton: it creates ``lock`` exclusively and waits while the file exists. A
+    file left there (by a build killed midway, or by a lock taken on that path) hung every process on a fresh GPU
+    machine; builds run under visattn's own lock, which clears it."""
+    from torch.utils import cpp_extension
+
+    seen = []
+
+    def baton_build(name, build_directory, **kwargs):  # what torch 2.11's load sees first
+        seen.append((Path(build_directory) / "lock").exists())
+        raise RuntimeError("stopped after the lock check")
+
+    monkeypatch.setattr(cpp_extension, "load", baton_build)
+    monkeypatch.delenv("VISATTN_KERNELS", raising=False)
+    monkeypatch.setenv("VISATTN_KERNEL_DIR", str(tmp_path))
+    kernels._load.cache_clear()
+    try:
+        build_dir = tmp_path / kernels._build_name()
+        build_dir.mkdir()
+        (build_dir / "lock").touch()
+        assert kernels.moh_routing_op() is None  # the fake build failed: the PyTorch path
+        assert seen == [False]
+    finally:
+        kernels._load.cache_clear()
+
+
+def test_tensors_off_the_cpu_never_load_the_cpu_kernels(monkeypatch):
+    """Asking for a CPU op loads the kernels, on first use building them (minutes): a layer on another device
+    (a GPU; here meta tensors) must not ask."""
+
+    def refuse():
+        raise AssertionError("the CPU kernels were asked for")
+
+    monkeypatch.setattr(kernels, "_load", refuse)
+    for impl in ("auto", "dense"):
+        layer = build_attention("moh", 32, num_heads=4, shared_heads=1, routed_topk=2, impl=impl).to("meta")
+        x = torch.empty(2, 5, 32, device="meta", requires_grad=True)
+        layer.train()(x).sum().backward()
+        with torch.no_grad():
+            assert layer.eval()(x).shape == (2, 5, 32)
+        if impl == "dense":  # a fixed path, whose choice still reads what the kernels offer: for CPU tensors alone
+            assert layer.choose_path(x).path == "masked_dense"
+
+
 @pytest.mark.parametrize("value", ["", "~/elsewhere"])
 def test_the_kernel_dir_is_the_user_cache_when_unset_or_empty_and_expands_home(monkeypatch, tmp_path, value):
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -208,18 +253,18 @@ def test_the_router_takes_the_logits_kernel_only_where_the_probe_found_it_faster
             out = layer(x)
         (choice,) = routing._LOGITS_PROBE.choices.values()
         assert choice.path == faster and choice.shape == (33, 48, layer.router.logit_rows)
-        # the probe's warm-up and timed round; then, where the kernel won, the router's call and the layer's take
-        # the logits and gates in one op (moh_router_gates)
-        assert len(calls) == 2 and len(fused) == (2 if faster == "router_kernel" else 0)
+        # the probe's first call, warm-up and timed round; then, where the kernel won, the router's call and the
+        # layer's take the logits and gates in one op (moh_router_gates)
+        assert len(calls) == 3 and len(fused) == (2 if faster == "router_kernel" else 0)
         torch.testing.assert_close(gates, ref_gates, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         layer.train()(x).sum().backward()  # with gradients: the matmul, whatever the probe said
         layer.eval()
-        assert len(calls) == 2 and len(fused) == (2 if faster == "router_kernel" else 0)
+        assert len(calls) == 3 and len(fused) == (2 if faster == "router_kernel" else 0)
         if faster == "router_kernel":  # the logits alone (the training path's router_linear), as the probe said
             with torch.no_grad():
                 routing.router_linear(x.reshape(33, 48), layer.router.stacked_weight())
-            assert len(calls) == 3
+            assert len(calls) == 4
 
 
 @pytest.mark.parametrize("heads, shared, topk, two_stage", BUDGETS)

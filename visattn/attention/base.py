@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .fused_gating import GatedMerge, gated_merge_runs, gated_projection, gated_projection_runs
 from .routing import HeadRouter
-from .tracing import keeps_stats
+from .tracing import autocast_enabled, keeps_stats
 
 
 def resolve_head_dim(dim: int, num_heads: int, head_dim: int | None, attn_head_dim: int | None) -> int:
@@ -268,7 +268,7 @@ class HeadAttention(nn.Module):
     @torch.jit.unused
     def autocast_on(self, x: torch.Tensor) -> bool:
         """Whether autocast is on for x's device (False while torch.fx traces: a Proxy has no device)."""
-        return not isinstance(x, torch.fx.Proxy) and torch.is_autocast_enabled(x.device.type)
+        return not isinstance(x, torch.fx.Proxy) and autocast_enabled(x.device.type)
 
     def project_qkv_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``project_equal_heads`` and the linear router's logits [logit_rows, B*N] (float32) from

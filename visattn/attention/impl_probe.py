@@ -15,13 +15,14 @@ version of them probes again). Identical layers of a model share one probe; a ne
 (e.g. the last, smaller batch) probes again.
 
 Timing (``default_timer``: this thread's CPU time with one intra-op thread, wall time with several
-or on CUDA): one warm-up round (paths slower than ``give_up`` times the fastest warm-up stop there),
-then ``repeats`` timed rounds. The reference path (masked dense) is kept unless another path's time over
+or on CUDA): an untimed first call of each path (a JIT compile, lazy initialisation), one warm-up round
+(paths other than the reference slower than ``give_up`` times the fastest warm-up stop there), then ``repeats``
+timed rounds. The reference path (masked dense) is kept unless another path's time over
 the reference's, round by round, has a median below ``1 - margin`` and that path was also faster in most
 rounds (``pick_path``), so noise, and a machine whose speed drifts during the probe, cannot easily trade it
 for a path that is really slower. A path that wins by less than twice the margin is timed against the
 reference alone for ``confirm`` rounds more and kept only if it still wins (else the reference). A probe
-costs about (1 + repeats) forwards of each competitive path (and 1 + confirm of two paths on a close call),
+costs about (2 + repeats) forwards of each competitive path (and confirm more of two paths on a close call),
 once per key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
 counter), so it neither builds graphs nor counts as the model's work.
 
@@ -134,17 +135,26 @@ class PathChoice:
 
 
 def time_paths(
-    runs: Mapping[str, Callable[[], object]], timer: Timer, repeats: int, give_up: float
+    runs: Mapping[str, Callable[[], object]], timer: Timer, repeats: int, give_up: float, keep: str | None = None,
+    warm_up: bool = True,
 ) -> dict[str, list[float]]:
-    """Seconds of each timed run per path: one warm-up round, then ``repeats`` interleaved rounds for
-    the paths whose warm-up took at most ``give_up`` times the fastest warm-up (the others keep their
-    warm-up time as their only sample). Each timed round takes the paths in a new order, drawn from
-    a fixed seed, so a scripted timer gives a fixed result: in one fixed order a path always ran
-    right after the same one, and right after a path that allocates much a layer ran up to 10% slower
-    (``visattn.bench.timing.interleaved_times``), which would have counted against it."""
-    warm = {name: timer(name, run) for name, run in runs.items()}
-    fastest = min(warm.values())
-    timed = [name for name in runs if warm[name] <= give_up * fastest]
+    """Seconds of each timed run per path: a first call of each (untimed: a JIT compile, lazy initialisation),
+    one warm-up round, then ``repeats`` interleaved rounds for ``keep`` (the reference) and the paths whose
+    warm-up took at most ``give_up`` times the fastest warm-up (the others keep their warm-up time as their only
+    sample). The first call is not the warm-up: on a GPU the masked dense path's first call compiled the Triton
+    gates (1.35 s against 1.4 ms), so it was given up and the probe took a path 4.5x slower (2026-11-27, H200).
+    Each timed round takes the paths in a new order, drawn from a fixed seed, so a scripted timer gives a fixed
+    result: in one fixed order a path always ran right after the same one, and right after a path that
+    allocates much a layer ran up to 10% slower (``visattn.bench.timing.interleaved_times``), which would have
+    counted against it. ``warm_up=False``: the rounds alone, of every path (paths that have just run)."""
+    warm: dict[str, float] = {}
+    timed = list(runs)
+    if warm_up:
+        for name, run in runs.items():
+            timer(name, run)
+        warm = {name: timer(name, run) for name, run in runs.items()}
+        fastest = min(warm.values())
+        timed = [name for name in runs if name == keep or warm[name] <= give_up * fastest]
     samples: dict[str, list[float]] = {name: [] for name in timed}
     rng = random.Random(0)
     for _ in range(repeats):
@@ -259,11 +269,11 @@ class ImplProbe:
         choice = self._load(key, runs)
         if choice is None:
             with torch.no_grad(), outside_dispatch_modes():
-                samples = time_paths(runs, self.timer, self.repeats, self.give_up)
+                samples = time_paths(runs, self.timer, self.repeats, self.give_up, keep=reference)
                 path = pick_path(samples, reference, self.margin)
                 if self._close_call(samples, path, reference):
                     pair = {name: runs[name] for name in (path, reference)}
-                    more = time_paths(pair, self.timer, self.confirm, give_up=float("inf"))
+                    more = time_paths(pair, self.timer, self.confirm, give_up=float("inf"), warm_up=False)
                     samples = {**samples, **{name: samples[name] + more[name] for name in pair}}
                     path = pick_path({name: samples[name] for name in pair}, reference, self.margin)
             times = {name: round(1e3 * min(s), 4) for name, s in samples.items()}

@@ -238,9 +238,9 @@ class MoHAttention(HeadAttention):
     @torch.compiler.disable
     def sparse_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, N, C] through the path ``impl`` names or ``auto`` chooses. torch.fx records the dense
-        path (a traced graph cannot hold data-dependent token groups); so do an empty input and tensor
-        subclasses (fake tensors: nothing to time)."""
-        if isinstance(x, torch.fx.Proxy) or x.numel() == 0 or type(x) is not torch.Tensor:
+        path (a traced graph cannot hold data-dependent token groups); so do an empty input, meta tensors and
+        tensor subclasses (fake tensors): nothing to time, no values to route by."""
+        if isinstance(x, torch.fx.Proxy) or x.numel() == 0 or type(x) is not torch.Tensor or x.is_meta:
             return self.dense_forward(x)
         if self.training and self.fixed_path is None:
             # auto's training path runs the kernel where it can; elsewhere (bf16, another device, no
@@ -262,7 +262,7 @@ class MoHAttention(HeadAttention):
         # what the choice and the kernel paths' availability depend on (kernel_path_runs: the mode, gradients,
         # functorch, the kernels switched on); checked first, as the availability took ~50 us a layer to work out
         recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, self.training,
-                  needs_grad(self, x), functorch_active(), moh_routing_op() is not None)
+                  needs_grad(self, x), functorch_active(), x.device.type == "cpu" and moh_routing_op() is not None)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:
             return self._recall[2]

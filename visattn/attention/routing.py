@@ -446,8 +446,9 @@ def router_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, C] @ weight^T ([R, C], a router's few rows) -> [T, R]: ``F.linear``, or without gradients or autocast
     on a CPU in float32 the kernels' ``moh_router_logits`` where it was faster for this shape on this machine
     (timed once per shape, thread count and build; ``visattn.attention.impl_probe``)."""
-    op = moh_router_logits_op()
-    if op is not None and _logits_kernel_runs(x, weight) and _logits_path(x, weight.shape[0], lambda: weight):
+    # the device first: asking for the op loads (on first use builds) the CPU kernels
+    op = moh_router_logits_op() if _logits_kernel_runs(x, weight) else None
+    if op is not None and _logits_path(x, weight.shape[0], lambda: weight):
         return op(x, weight)
     return F.linear(x, weight)
 
@@ -461,7 +462,7 @@ def router_gates(
     kernel and ``moh_gates``), where ``router_linear`` would take its kernel for these logits (float32, no
     autocast, the probe's choice); else None. The caller checks ``eager_cpu_kernels`` and that nothing needs
     gradients or the load-balancing loss."""
-    op = moh_router_gates_op()
+    op = moh_router_gates_op() if x.device.type == "cpu" else None
     if (op is None or moh_router_logits_op() is None or not weights or x.dtype != torch.float32
             or any(w.dtype != torch.float32 for w in weights) or torch.is_autocast_enabled("cpu")):
         return None

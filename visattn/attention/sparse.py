@@ -34,6 +34,7 @@ from visattn.kernels import autocast_weight_op
 from .base import HeadAttention
 from .fused_gating import functorch_active
 from .scores import expand_kv_groups
+from .tracing import autocast_enabled
 
 
 def sparse_moh_supported(attn: HeadAttention) -> str | None:
@@ -51,7 +52,7 @@ def sparse_moh_supported(attn: HeadAttention) -> str | None:
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return torch.get_autocast_dtype(device) if autocast_enabled(device) else x.dtype
 
 
 def matmul_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,7 +61,7 @@ def matmul_param(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     sampling loop casts each weight once), or that cast itself (``autocast_cast``); cast here otherwise.
     Cast here on every call under autocast too, qkv's and proj's weights had cost the bf16
     ``routed_kernel_dense`` 1.4 + 0.35 ms a DiT-B/2 layer that ``mha`` did not pay (12th session)."""
-    if not torch.is_autocast_enabled(p.device.type):
+    if not autocast_enabled(p.device.type):
         return p.to(dtype)
     cached = autocast_cast(p, dtype)
     return p if cached is None else cached

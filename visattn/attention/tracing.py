@@ -1,6 +1,6 @@
 """Whether a forward runs on real values: under torch.fx symbolic tracing every tensor is a Proxy,
 and a per-forward statistic recorded then (``stats``, a router's ``head_load``) would leave a Proxy
-on the module until the next eager forward."""
+on the module until the next eager forward. Also: whether autocast is on for a device."""
 
 import torch
 
@@ -20,3 +20,9 @@ def keeps_stats() -> bool:
     if torch.jit.is_scripting():
         return True
     return not _fx_tracing()
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for a device without autocast (meta tensors: deferred
+    initialisation, shape checks), where torch's own query raises."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)

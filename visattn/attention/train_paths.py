@@ -159,6 +159,6 @@ def _time_layer(layer: MoHAttention, x: torch.Tensor, timer, repeats: int, margi
             torch.autograd.grad(loss, wrt, allow_unused=True)
         return run
 
-    samples = time_paths({path: step(path) for path in TRAIN_PATHS}, timer, repeats, give_up)
+    samples = time_paths({path: step(path) for path in TRAIN_PATHS}, timer, repeats, give_up, keep=REFERENCE_PATH)
     path = pick_path(samples, REFERENCE_PATH, margin)
     return path, {name: round(1e3 * min(s), 3) for name, s in samples.items()}

@@ -26,7 +26,7 @@
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
-and processor architecture; processes starting together wait on one build (cpp_extension's lock). Without a
+and processor architecture; processes starting together wait on one build (a file lock). Without a
 compiler, or with ``VISATTN_KERNELS=0``, every caller gets None and runs the PyTorch path, which
 the tests check equal. ``python -m visattn.kernels`` builds it ahead (``make`` does at install).
 With ``VISATTN_KERNELS_AVX2=1`` (``AVX2_ONLY_ENV``) the CPU kernels run what they run on a CPU without
@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from filelock import FileLock  # torch's own dependency, and the lock its cpp_extension takes
+from filelock import FileLock  # torch's own dependency
 
 log = logging.getLogger(__name__)
 
@@ -198,17 +198,21 @@ def _load() -> bool:
         build_dir = kernel_dir() / name
         built = build_dir / f"{name}.so"
         build_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(build_dir / "lock")):  # the lock cpp_extension builds under: wait for a build under way
-            ready = built.is_file()
-        if ready:
-            torch.ops.load_library(str(built))  # milliseconds; cpp_extension.load's checks take seconds
-        else:
-            from torch.utils import cpp_extension
+        # Our own lock around the check and the build, so processes starting together build once. Not the
+        # "lock" path cpp_extension locks: torch up to 2.11 takes that one as a baton (created exclusively, then
+        # waited on until removed), which a lock file left there by filelock, or by a build killed midway,
+        # blocks forever (every process on a fresh GPU machine hung so).
+        with FileLock(str(build_dir / "visattn.lock")):
+            if built.is_file():
+                torch.ops.load_library(str(built))  # milliseconds; cpp_extension.load's checks take seconds
+            else:
+                from torch.utils import cpp_extension
 
-            # copies: cpp_extension appends to the lists it is given, which would change _build_name
-            cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
-                               extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
-                               verbose=False)
+                (build_dir / "lock").unlink(missing_ok=True)  # stale: every build runs under our lock
+                # copies: cpp_extension appends to the lists it is given, which would change _build_name
+                cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                                   extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                                   build_directory=str(build_dir), is_python_module=False, verbose=False)
         return True
     except Exception as err:  # noqa: BLE001 - any build or load failure means: use the PyTorch path
         log.warning("MoH kernels unavailable (%s: %s); MoH runs its PyTorch code (same results, slower). "
