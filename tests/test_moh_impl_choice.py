@@ -475,6 +475,60 @@ def test_paths_bench_times_only_the_rows_asked_for(tmp_path):
         main([*argv, "--paths", "fastest"])
 
 
+def test_a_budget_no_layer_can_hold_is_a_model_s_mix_of_two_layers():
+    """75% of 6 heads: half the layers at 4, half at 5; 90% of 6: 60% at 5 (the nearest), 40% at 6; 90% of 12:
+    80% at 11, 20% at 10. Whole numbers (50% of 6, 75% of 12) need no mix."""
+    from visattn.bench.attention import Shape
+    from visattn.bench.paths import layer_mixes, path_cases
+
+    mixes = {m.label: m for m in layer_mixes(6, [0.5, 0.75, 0.9], ["moh"])}
+    assert list(mixes) == ["moh-75mix", "moh-90mix"]
+    assert (mixes["moh-75mix"].near, mixes["moh-75mix"].other) == ("moh-75", "moh-75alt")
+    assert mixes["moh-75mix"].weight == pytest.approx(0.5) and mixes["moh-75mix"].active == pytest.approx(4.5)
+    assert mixes["moh-90mix"].weight == pytest.approx(0.6) and mixes["moh-90mix"].active == pytest.approx(5.4)
+    ((label, twelve),) = [(m.label, m) for m in layer_mixes(12, [0.75, 0.9], ["moh"])]
+    assert label == "moh-90mix" and twelve.weight == pytest.approx(0.8)
+    heads = {c.label: c.kwargs["shared_heads"] + c.kwargs["routed_topk"]
+             for c in path_cases(Shape.parse("2,5,24,6"), [0.5, 0.75, 0.9], ["auto"], ["moh"], layer_mix=True)
+             if c.name == "moh"}
+    assert heads == {"moh-50 auto": 3, "moh-75 auto": 5, "moh-90 auto": 5, "moh-75alt auto": 4, "moh-90alt auto": 6}
+    assert "moh-75alt auto" not in {c.label for c in path_cases(Shape.parse("2,5,24,6"), [0.75], ["auto"], ["moh"])}
+
+
+def test_the_mix_rows_weigh_the_two_layers_round_by_round():
+    from visattn.bench.paths import LayerMix, mix_rows
+
+    def row(label, samples, path=None):
+        return {"label": label, "dtype": "fp32", "infer_samples_ms": samples, "infer_flops": 10.0 * len(label),
+                "active_heads": [0, 6], "auto_path": path}
+
+    rows = [row("mha", [2.0, 4.0, 2.0, 4.0, 2.0]), row("moh-75 auto", [1.0, 2.0, 1.0, 2.0, 1.0], "routed_kernel"),
+            row("moh-75alt auto", [2.0, 3.0, 2.0, 3.0, 2.0], "masked_dense")]
+    (mix,) = mix_rows(rows, [LayerMix("moh-75mix", "moh-75", "moh-75alt", 0.25, 4.25)])
+    assert mix["label"] == "moh-75mix auto" and mix["infer_samples_ms"] == [1.75, 2.75, 1.75, 2.75, 1.75]
+    assert mix["infer_ratio"] == pytest.approx(0.875)  # the rounds' ratios' median: 1.75 / 2 (3 rounds), 2.75 / 4
+    assert mix["infer_ratio_ci"] is not None and mix["active_heads"] == [4.25, 6]
+    assert mix["layers"] == {"moh-75 auto": 0.25, "moh-75alt auto": 0.75}
+    assert mix["infer_flops"] == 0.25 * 110 + 0.75 * 140  # 10 per character of the label
+    assert mix["auto_path"] == "routed_kernel / masked_dense"
+    assert mix_rows(rows[:2], [LayerMix("moh-75mix", "moh-75", "moh-75alt", 0.5, 4.5)]) == []  # no other layer timed
+
+
+def test_the_paths_bench_gives_a_model_s_mix_with_layer_mix(tmp_path):
+    from visattn.bench.__main__ import main
+
+    out = tmp_path / "paths.json"
+    main(["paths", "--shapes", "2,5,24,6", "--budgets", "0.75", "--paths", "masked_dense", "auto", "--routings", "moh",
+          "--layer-mix", "--warmup", "0", "--repeats", "2", "--out", str(out)])
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["mha", "moh-75 masked_dense", "moh-75 auto", "moh-75alt masked_dense", "moh-75alt auto",
+                          "moh-75mix masked_dense", "moh-75mix auto"]
+    mix, near, other = rows["moh-75mix auto"], rows["moh-75 auto"], rows["moh-75alt auto"]
+    assert mix["infer_samples_ms"] == pytest.approx(
+        [(a + b) / 2 for a, b in zip(near["infer_samples_ms"], other["infer_samples_ms"], strict=True)])
+    assert rows["moh-75mix masked_dense"]["vs_masked"] == 1.0 and mix["vs_masked"] is not None
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"qkv_bias": True}, {"qkv_bias": True, "num_kv_heads": 2}])
 def test_the_bench_s_mha_on_kernel_parts_equals_mha(kwargs):
     """The paths bench's second MHA row (``mha kernel_parts``): the same layer to float rounding in float32

@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             f"auto, kernel_parts (the second MHA row); one of {', '.join(PATH_CHOICES)}")
     paths.add_argument("--routings", nargs="+", default=None, choices=sorted(ROUTINGS),
                        help="time only these routings' rows (moh: token choice, hc: head choice; default: both)")
+    paths.add_argument("--layer-mix", action="store_true",
+                       help="where a budget is no whole number of a layer's heads (75%% of 6), also time the other "
+                            "whole number around it (rows moh-75alt) and give a model's mix of the two layers "
+                            "(rows moh-75mix: half the layers at 4 of 6, half at 5), as per-layer budgets reach it")
     _common(paths)
     paths.set_defaults(dtypes=["fp32"])
     mod = sub.add_parser("model", help="whole presets, images/s")
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.mode == "paths":
         shapes = [Shape.parse(s) for s in args.shapes]
         rows = run_paths_bench(shapes, args.budgets, args.dtypes, args.warmup, args.repeats, clock=args.clock,
-                               device=device, paths=args.paths, routings=args.routings)
+                               device=device, paths=args.paths, routings=args.routings, layer_mix=args.layer_mix)
         table = paths_table(rows)
     else:
         rows = run_model_bench(

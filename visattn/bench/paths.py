@@ -16,6 +16,8 @@ MoH's margin comes from those parts, not from the heads it skips.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from visattn.kernels import moh_routed_attention_op
 from .attention import AttentionCase, Shape, build_attention_workload, moh_budget
 from .measure import measure_cases
 from .report import ratio_cell
-from .timing import paired_ratio
+from .timing import median, paired_ratio, ratio_interval
 from .workload import DTYPES, Workload
 
 ROUTINGS = {"moh": "token_choice", "hc": "head_choice"}  # label prefix -> routing
@@ -74,15 +76,46 @@ class MHAOnKernelParts(torch.nn.Module):
         return torch.nn.functional.linear(z, matmul_param(mha.proj.weight, dtype), bias).view(B, N, -1)
 
 
+@dataclass(frozen=True)
+class LayerMix:
+    """A budget that is no whole number of a layer's heads (75% of 6), as a model reaches it: a share ``weight``
+    of its layers at the nearest whole number (the ``near`` rows, e.g. ``moh-75``: 5 of 6) and the rest at the
+    other whole number around it (the ``other`` rows, ``moh-75alt``: 4 of 6), as the released MoH budgets reach
+    75% of 6-head layers. Its rows (``label``, ``moh-75mix``) average the two layers' times round by round."""
+
+    label: str
+    near: str
+    other: str
+    weight: float
+    active: float  # heads active per token, averaged over the layers
+
+
+def layer_mixes(heads: int, budgets: list[float], routings: list[str] | None = None) -> list[LayerMix]:
+    """The budgets of ``budgets`` that are no whole number of ``heads``, per routing prefix (``ROUTINGS``)."""
+    mixes = []
+    for fraction in budgets:
+        exact = fraction * heads
+        near = sum(moh_budget(heads, fraction))
+        if abs(exact - near) < 1e-6:
+            continue
+        for prefix in ROUTINGS:
+            if routings is None or prefix in routings:
+                label = f"{prefix}-{round(100 * fraction)}"
+                mixes.append(LayerMix(f"{label}mix", label, f"{label}alt", 1 - abs(exact - near), exact))
+    return mixes
+
+
 def path_cases(
-    shape: Shape, budgets: list[float], paths: list[str] | None = None, routings: list[str] | None = None
+    shape: Shape, budgets: list[float], paths: list[str] | None = None, routings: list[str] | None = None,
+    layer_mix: bool = False,
 ) -> list[AttentionCase]:
     """``mha``, then per budget and routing one row per path of the layer and one for ``auto``
     (labels ``moh-50 masked_dense``, ``hc-75 auto``, ...). ``paths`` keeps only the rows of those names
     (``PATH_CHOICES``; ``kernel_parts`` is the second MHA row) that the layer has, and ``routings`` only those
     label prefixes (``ROUTINGS``); ``mha`` is always timed, as every ratio's reference. Fewer rows make a
     round shorter, so more rounds fit in the same time: what narrows the intervals on a machine whose speed
-    drifts."""
+    drifts. ``layer_mix``: also the layer at the other whole number of heads around a budget that is none
+    (``layer_mixes``; rows ``moh-75alt ...``)."""
     for name in paths or []:
         if name not in PATH_CHOICES:
             raise ValueError(f"paths: {name!r} is not a row of this bench; use some of {', '.join(PATH_CHOICES)}")
@@ -93,17 +126,22 @@ def path_cases(
     cases = [AttentionCase("mha", "mha", train=False)]
     if KERNEL_PARTS_ROW in wanted:
         cases.append(AttentionCase(KERNEL_PARTS, "mha", train=False))
-    for fraction in budgets:
-        shared, topk = moh_budget(shape.heads, fraction)
+    layers = [(f"{round(100 * fraction)}", moh_budget(shape.heads, fraction)) for fraction in budgets]
+    if layer_mix:
+        for fraction in budgets:
+            exact, near = fraction * shape.heads, sum(moh_budget(shape.heads, fraction))
+            if abs(exact - near) >= 1e-6:
+                other = math.floor(exact) if near > exact else math.ceil(exact)
+                layers.append((f"{round(100 * fraction)}alt", moh_budget(shape.heads, other / shape.heads)))
+    for suffix, (shared, topk) in layers:
         for prefix, routing in ROUTINGS.items():
             if routings is not None and prefix not in routings:
                 continue
             kwargs = {"shared_heads": shared, "routed_topk": topk, "routing": routing}
             layer_paths = build_attention("moh", shape.dim, num_heads=shape.heads, **kwargs).paths
-            label = f"{prefix}-{round(100 * fraction)}"
             for impl in (*layer_paths, "auto"):
                 if impl in wanted:
-                    cases.append(AttentionCase(f"{label} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
+                    cases.append(AttentionCase(f"{prefix}-{suffix} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
     return cases
 
 
@@ -141,20 +179,51 @@ def run_paths_bench(
     device: torch.device | str = "cpu",
     paths: list[str] | None = None,
     routings: list[str] | None = None,
+    layer_mix: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows as ``measure.measure_cases`` gives them (inference keys) plus ``shape``, ``vs_masked`` and
     ``auto_path``; ratios are to ``mha`` in the same interleaved rounds. ``paths`` / ``routings``: only
-    those rows (``path_cases``)."""
-    cases = {str(shape): path_cases(shape, budgets, paths, routings) for shape in shapes}  # bad names: before timing
+    those rows (``path_cases``). ``layer_mix``: also a model's mix of layers where a budget is no whole number
+    of a layer's heads (``LayerMix``: rows ``moh-75alt`` timed, rows ``moh-75mix`` derived from them)."""
+    cases = {str(s): path_cases(s, budgets, paths, routings, layer_mix) for s in shapes}  # bad names: before timing
     rows = []
     for shape in shapes:
-        rows += _shape_rows(shape, cases[str(shape)], dtypes, warmup, repeats, clock, device)
+        mixes = layer_mixes(shape.heads, budgets, routings) if layer_mix else []
+        rows += _shape_rows(shape, cases[str(shape)], dtypes, warmup, repeats, clock, device, mixes)
     return rows
+
+
+def mix_rows(rows: list[dict[str, Any]], mixes: list[LayerMix]) -> list[dict[str, Any]]:
+    """Rows of each ``LayerMix``, one per path both of its layers were timed on (per dtype): per round the
+    layers' times weighted by their share of the model's layers (``infer_samples_ms``), and their ratio to
+    ``mha`` in the same rounds; ``layers`` names the two rows and their shares."""
+    by_label = {(r["label"], r["dtype"]): r for r in rows}
+    out = []
+    for mix in mixes:
+        for (label, dtype), near in by_label.items():
+            prefix, _, impl = label.partition(" ")
+            other, ref = by_label.get((f"{mix.other} {impl}", dtype)), by_label.get(("mha", dtype))
+            if prefix != mix.near or other is None or ref is None:
+                continue
+            w = mix.weight
+            samples = [w * a + (1 - w) * b for a, b in zip(near["infer_samples_ms"], other["infer_samples_ms"],
+                                                           strict=True)]
+            reference = ref["infer_samples_ms"]
+            chosen = [r.get("auto_path") for r in (near, other)]
+            out.append({
+                "label": f"{mix.label} {impl}", "dtype": dtype, "infer_ms": median(samples),
+                "infer_ratio": paired_ratio(samples, reference), "infer_ratio_ci": ratio_interval(samples, reference),
+                "infer_samples_ms": samples, "infer_flops": w * near["infer_flops"] + (1 - w) * other["infer_flops"],
+                "active_heads": [mix.active, near["active_heads"][1]],
+                "layers": {near["label"]: w, other["label"]: round(1 - w, 6)},
+                "auto_path": " / ".join(chosen) if all(chosen) else None,
+            })  # fmt: skip
+    return out
 
 
 def _shape_rows(
     shape: Shape, shape_cases: list[AttentionCase], dtypes: list[str], warmup: int, repeats: int, clock: str,
-    device: torch.device | str,
+    device: torch.device | str, mixes: list[LayerMix] | None = None,
 ) -> list[dict[str, Any]]:
     """The rows of one layer shape, every case timed in the same interleaved rounds."""
     works: dict[str, Workload] = {}
@@ -173,8 +242,9 @@ def _shape_rows(
     measured = [r for r in rows if "skipped" not in r]
     for row in measured:
         row["auto_path"] = _chosen_path(works[row["label"]], row["dtype"]) if row["label"].endswith(" auto") else None
-    _versus_masked(measured)
-    return [{"shape": str(shape), **row} for row in rows]
+    derived = mix_rows(measured, mixes or [])
+    _versus_masked(measured + derived)
+    return [{"shape": str(shape), **row} for row in rows + derived]
 
 
 def paths_table(rows: list[dict[str, Any]]) -> str:
