@@ -90,14 +90,22 @@ class LayerMix:
     active: float  # heads active per token, averaged over the layers
 
 
+def other_whole_heads(heads: int, fraction: float) -> int | None:
+    """The whole number of heads on the other side of ``fraction * heads`` from ``moh_budget``'s nearest one
+    (4 for 75% of 6 heads, whose nearest is 5); None where ``fraction * heads`` is a whole number."""
+    exact, near = fraction * heads, sum(moh_budget(heads, fraction))
+    if abs(exact - near) < 1e-6:
+        return None
+    return math.floor(exact) if near > exact else math.ceil(exact)
+
+
 def layer_mixes(heads: int, budgets: list[float], routings: list[str] | None = None) -> list[LayerMix]:
     """The budgets of ``budgets`` that are no whole number of ``heads``, per routing prefix (``ROUTINGS``)."""
     mixes = []
     for fraction in budgets:
-        exact = fraction * heads
-        near = sum(moh_budget(heads, fraction))
-        if abs(exact - near) < 1e-6:
+        if other_whole_heads(heads, fraction) is None:
             continue
+        exact, near = fraction * heads, sum(moh_budget(heads, fraction))
         for prefix in ROUTINGS:
             if routings is None or prefix in routings:
                 label = f"{prefix}-{round(100 * fraction)}"
@@ -127,12 +135,10 @@ def path_cases(
     if KERNEL_PARTS_ROW in wanted:
         cases.append(AttentionCase(KERNEL_PARTS, "mha", train=False))
     layers = [(f"{round(100 * fraction)}", moh_budget(shape.heads, fraction)) for fraction in budgets]
-    if layer_mix:
-        for fraction in budgets:
-            exact, near = fraction * shape.heads, sum(moh_budget(shape.heads, fraction))
-            if abs(exact - near) >= 1e-6:
-                other = math.floor(exact) if near > exact else math.ceil(exact)
-                layers.append((f"{round(100 * fraction)}alt", moh_budget(shape.heads, other / shape.heads)))
+    for fraction in budgets if layer_mix else []:
+        other = other_whole_heads(shape.heads, fraction)
+        if other is not None:
+            layers.append((f"{round(100 * fraction)}alt", moh_budget(shape.heads, other / shape.heads)))
     for suffix, (shared, topk) in layers:
         for prefix, routing in ROUTINGS.items():
             if routings is not None and prefix not in routings:
@@ -141,7 +147,8 @@ def path_cases(
             layer_paths = build_attention("moh", shape.dim, num_heads=shape.heads, **kwargs).paths
             for impl in (*layer_paths, "auto"):
                 if impl in wanted:
-                    cases.append(AttentionCase(f"{prefix}-{suffix} {impl}", "moh", {**kwargs, "impl": impl}, train=False))
+                    kwargs_impl = {**kwargs, "impl": impl}
+                    cases.append(AttentionCase(f"{prefix}-{suffix} {impl}", "moh", kwargs_impl, train=False))
     return cases
 
 
