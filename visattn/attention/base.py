@@ -207,8 +207,8 @@ class HeadAttention(nn.Module):
                 # merge and projection per block of tokens (visattn.attention.fused_gating)
                 return self.proj_drop(gated_projection(heads, gates, proj.weight, proj.bias))
         if gates is not None and not torch.is_grad_enabled():
-            # without gradients one product writes the merged layout: gating the heads in place and then the
-            # transpose's copy were two passes (CPU: 1.17-1.26x the time at ViT-S; a GPU: two kernels launched)
+            # without gradients one product writes the merged layout, where gating the heads in place and then the
+            # transpose's copy were two passes over them (on a GPU, two kernels)
             merged = torch.empty((B, N, H, d), dtype=heads.dtype, device=heads.device)
             torch.mul(heads.transpose(1, 2), gates.to(heads.dtype).unsqueeze(-1), out=merged)
             return self.finish_merge(x, merged.view(B, N, H * d))

@@ -462,7 +462,7 @@ def router_gates(
     kernel and ``moh_gates``), where ``router_linear`` would take its kernel for these logits (float32, no
     autocast, the probe's choice); else None. The caller checks ``eager_cpu_kernels`` and that nothing needs
     gradients or the load-balancing loss."""
-    op = moh_router_gates_op() if x.device.type == "cpu" else None
+    op = moh_router_gates_op()
     if (op is None or moh_router_logits_op() is None or not weights or x.dtype != torch.float32
             or any(w.dtype != torch.float32 for w in weights) or torch.is_autocast_enabled("cpu")):
         return None
