@@ -48,11 +48,12 @@ def calls(monkeypatch):
 
 def assert_same_load(load, ref):
     """The kernel's head load (a count of the image's tokens / N) against ``mean``'s: the same bits on a CPU; on a
-    GPU ``mean`` multiplies by 1/N, one rounding more, so up to one float32 ulp apart (seen on an H200, N = 37)."""
+    GPU ``mean`` multiplies by 1/N and Triton divides with the approximate ``div.full.f32`` (up to 2 ulps), so the two
+    may be a few float32 ulps apart (2 seen on an H200)."""
     if load.device.type == "cpu":
         assert torch.equal(load, ref)
     else:
-        torch.testing.assert_close(load, ref, rtol=2**-23, atol=0)
+        torch.testing.assert_close(load, ref, rtol=2**-21, atol=0)
 
 
 def _layer(heads, shared, topk, two_stage, device, dim=48, **kw):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 32 on a lent GPU machine (repository root), about 7 minutes: MoH with the Triton routing kernel
+# Issue 32 on a lent GPU machine (repository root), about 10 minutes: MoH with the Triton routing kernel
 # (visattn/kernels/cuda_routing.py) against MHA and against the PyTorch routing, in one call, the steps that
 # matter most first.
 #   OUT=DIR bash docs/results/gpu/moh.sh
@@ -29,7 +29,7 @@ step study 80 $PY -m visattn.bench study --device cuda --cells mha moh-50 moh-75
 step launches 100 $PY docs/results/gpu/moh_launches.py --out "$R/launches.json"
 step graphs 60 $PY docs/results/gpu/moh_launches.py --mode graph --out "$R/graphs.json"
 # 4. The paths bench (every exact path, auto's choice): bf16 and fp32 at the issue's shapes; bf16 at 8x their batch.
-step paths 60 $PY -m visattn.bench paths --device cuda --shapes 32,197,384,6 16,256,768,12 256,17,96,8 256,49,64,8 \
+step paths 180 $PY -m visattn.bench paths --device cuda --shapes 32,197,384,6 16,256,768,12 256,17,96,8 256,49,64,8 \
   --budgets 0.5 0.75 0.9 --dtypes bf16 fp32 --repeats 10 --out "$R/paths.json"
 step paths_large 90 $PY -m visattn.bench paths --device cuda --shapes 256,197,384,6 128,256,768,12 \
   --budgets 0.5 0.75 0.9 --dtypes bf16 --repeats 5 --out "$R/paths_large.json"
