@@ -250,7 +250,8 @@ class MoHAttention(HeadAttention):
             path = self._train_path if runs else REFERENCE_PATH
         else:
             path = self.choose_path(x).path
-        self.last_path = path
+        if path != self.last_path:  # nn.Module's __setattr__ cost ~3 us a call, a GPU layer's host time is ~0.5 ms
+            self.last_path = path
         return PATHS[path](self, x)
 
     @torch.jit.unused
@@ -260,9 +261,11 @@ class MoHAttention(HeadAttention):
         dtype = compute_dtype(x)
         probe = impl_probe()
         # what the choice and the kernel paths' availability depend on (kernel_path_runs: the mode, gradients,
-        # functorch, the kernels switched on); checked first, as the availability took ~50 us a layer to work out
-        recall = (tuple(x.shape), dtype, x.device, torch.get_num_threads(), self.fixed_path, self.training,
-                  needs_grad(self, x), functorch_active(), x.device.type == "cpu" and moh_routing_op() is not None)
+        # functorch, the kernels switched on); checked first, as the availability took ~50 us a layer to work out.
+        # Cheap reads only (x.is_cpu, not x.device.type): on a GPU a layer is bound by the host's calls, where this
+        # check is all auto costs over the masked dense path (docs/results/gpu.md, 20th session)
+        recall = (x.shape, dtype, x.device, torch.get_num_threads(), self.fixed_path, self.training,
+                  needs_grad(self, x), functorch_active(), x.is_cpu and moh_routing_op() is not None)
         # the probe itself, not its id(): a probe freed and replaced may get the same id
         if self._recall is not None and self._recall[0] == recall and self._recall[1] is probe:
             return self._recall[2]
