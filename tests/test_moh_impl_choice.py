@@ -200,11 +200,12 @@ class DriftingTimer:
     [
         (0.97, 1.03, 10, "masked_dense", 2 + 5 + 10),  # a close call, rechecked: slower over all its rounds
         (0.97, 0.97, 10, "routed_kernel", 2 + 5 + 10),  # a close call that holds
-        (0.50, 1.03, 10, "routed_kernel", 2 + 5),  # a clear win: no more rounds
+        (0.50, 0.50, 10, "routed_kernel", 2 + 5 + 10),  # a clear win, rechecked too: it holds
+        (0.50, 1.03, 10, "masked_dense", 2 + 5 + 10),  # a clear win in five rounds that turns slower
         (0.97, 1.03, 0, "routed_kernel", 2 + 5),  # confirm=0: the five rounds decide
     ],
 )
-def test_a_close_call_is_timed_again_against_masked_dense(early, late, confirm, chosen, kernel_calls):
+def test_a_win_is_timed_again_against_masked_dense(early, late, confirm, chosen, kernel_calls):
     m = _moh()
     with torch.no_grad():  # as the probe runs it
         if "routed_kernel" not in m.paths or not kernel_path_runs(m, torch.randn(2, 9, 32), "routed_kernel"):
@@ -217,6 +218,32 @@ def test_a_close_call_is_timed_again_against_masked_dense(early, late, confirm, 
     assert timer.calls.count("masked_dense") == kernel_calls  # timed beside it, round for round
     if kernel_calls > 7:  # the record covers every round the decision read
         assert choice.ratios["routed_kernel"] == pytest.approx(late if late > early else early)
+
+
+class ScriptedRounds:
+    """Each path's seconds: ``early[path]`` in its first ``calls`` timings, ``late[path]`` after. Records each call."""
+
+    def __init__(self, early: dict[str, float], late: dict[str, float], calls: int = 7) -> None:
+        self.early, self.late, self.switch = early, late, calls
+        self.calls: list[str] = []
+
+    def __call__(self, path, run):
+        self.calls.append(path)
+        return (self.early if self.calls.count(path) <= self.switch else self.late)[path]
+
+
+def test_every_path_that_beat_the_reference_is_timed_again_and_the_pick_made_over_all_rounds():
+    """The DiT-B/2 case (19th session): five rounds put ``routed_kernel_dense`` (0.87x) ahead of ``routed_kernel``
+    (0.94x), which was the faster of the two over more rounds; a path that lost to the reference is not timed
+    again."""
+    early = {"masked_dense": 1.0, "routed_kernel_dense": 0.87, "routed_kernel": 0.94, "dense_projections": 1.2}
+    late = {**early, "routed_kernel_dense": 1.0, "routed_kernel": 0.93}
+    timer = ScriptedRounds(early, late)
+    probe = ImplProbe(timer=timer, confirm=10)
+    choice = probe.choose(("key",), dict.fromkeys(early, lambda: None), "masked_dense", (2, 9, 32), "float32", "cpu")
+    assert choice.path == "routed_kernel"
+    assert [timer.calls.count(p) for p in early] == [2 + 5 + 10, 2 + 5 + 10, 2 + 5 + 10, 2 + 5]
+    assert choice.ratios["routed_kernel_dense"] == 1.0 and choice.ratios["routed_kernel"] == 0.93
 
 
 class FirstCallTimer:

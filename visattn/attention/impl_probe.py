@@ -20,10 +20,10 @@ or on CUDA): an untimed first call of each path (a JIT compile, lazy initialisat
 timed rounds. The reference path (masked dense) is kept unless another path's time over
 the reference's, round by round, has a median below ``1 - margin`` and that path was also faster in most
 rounds (``pick_path``), so noise, and a machine whose speed drifts during the probe, cannot easily trade it
-for a path that is really slower. A path that wins by less than twice the margin is timed against the
-reference alone for ``confirm`` rounds more and kept only if it still wins (else the reference). A probe
-costs about (2 + repeats) forwards of each competitive path (and confirm more of two paths on a close call),
-once per key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
+for a path that is really slower. Where a path wins, it, the reference and every other path that beat the
+reference are timed for ``confirm`` rounds more and the pick is made again over all their rounds. A probe
+costs about (2 + repeats) forwards of each competitive path (and confirm more of the contenders where one
+wins), once per key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
 counter), so it neither builds graphs nor counts as the model's work.
 
 Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
@@ -223,10 +223,13 @@ class ImplProbe:
         margin: how much faster than the reference another path must be to replace it.
         give_up: paths whose warm-up took more than this times the fastest warm-up are not timed again.
         disk_dir: directory of the on-disk cache, or None for this process only.
-        confirm: more rounds of a close call: a path picked over the reference by less than twice ``margin`` is
-            timed against it alone for this many rounds more, and kept only if it still wins over all its rounds
+        confirm: more rounds before a path replaces the reference: where one wins, the reference and every path
+            that beat it are timed for this many rounds more, and the pick is made again over all their rounds
             (0: never). On a 2-core AMD EPYC five rounds took, in one run of three, a path that was 4% slower
-            than masked dense over 93 rounds (DiT-B/2 with 11 of 12 heads; docs/benchmarks.md, 18th session).
+            than masked dense over 93 rounds (DiT-B/2 with 11 of 12 heads; docs/benchmarks.md, 18th session), and
+            in 3 of 14 probes ``routed_kernel_dense`` at 0.87-0.91x masked dense where the bench read 1.00-1.02x,
+            over the routed kernel's 0.93x (19th session). Resampled from 81 rounds of DiT-B/2 with 9 of 12 heads
+            there, five rounds ranked those two paths wrongly 9% of the time, fifteen 0.5% (20th session).
     """
 
     def __init__(
@@ -271,11 +274,12 @@ class ImplProbe:
             with torch.no_grad(), outside_dispatch_modes():
                 samples = time_paths(runs, self.timer, self.repeats, self.give_up, keep=reference)
                 path = pick_path(samples, reference, self.margin)
-                if self._close_call(samples, path, reference):
-                    pair = {name: runs[name] for name in (path, reference)}
-                    more = time_paths(pair, self.timer, self.confirm, give_up=float("inf"), warm_up=False)
-                    samples = {**samples, **{name: samples[name] + more[name] for name in pair}}
-                    path = pick_path({name: samples[name] for name in pair}, reference, self.margin)
+                contenders = self._contenders(samples, path, reference)
+                if contenders:
+                    group = {name: runs[name] for name in contenders}
+                    more = time_paths(group, self.timer, self.confirm, give_up=float("inf"), warm_up=False)
+                    samples = {**samples, **{name: samples[name] + more[name] for name in group}}
+                    path = pick_path({name: samples[name] for name in group}, reference, self.margin)
             times = {name: round(1e3 * min(s), 4) for name, s in samples.items()}
             ratios = {name: round(r, 4) for name, r in paired_ratios(samples, reference).items()}
             choice = PathChoice(path, device, "probe", tuple(shape), dtype, times, ratios)
@@ -285,11 +289,15 @@ class ImplProbe:
         self.choices[key] = choice
         return choice
 
-    def _close_call(self, samples: Mapping[str, list[float]], path: str, reference: str) -> bool:
-        """Whether ``path`` won over ``reference`` by less than twice the margin (and rounds are left to check it)."""
+    def _contenders(self, samples: Mapping[str, list[float]], path: str, reference: str) -> list[str]:
+        """The paths to time again where ``path`` won over ``reference``: the reference and every path that beat it
+        in the median of the rounds (empty where the reference won, or with ``confirm`` 0)."""
         if not self.confirm or path == reference or reference not in samples:
-            return False
-        return median_ratio(samples[path], samples[reference]) > 1 - 2 * self.margin
+            return []
+        rounds = len(samples[reference])
+        beat = [name for name, times in samples.items()
+                if name != reference and len(times) == rounds and median_ratio(times, samples[reference]) < 1]
+        return [reference, *beat]
 
     def _file(self, key: tuple) -> Path | None:
         if self.disk_dir is None:
