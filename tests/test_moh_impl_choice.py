@@ -179,20 +179,18 @@ def test_the_choice_records_the_paired_ratios_it_was_made_by(caplog):
     assert impl_choices(m)["layers"][0]["choices"]["[2, 9, 32] float32"]["ratios"] == choice.ratios
 
 
-class DriftingTimer:
-    """``routed_kernel`` takes ``early`` seconds in its first ``calls`` timings (the first call, the warm-up and the
-    probe's five rounds) and ``late`` after; masked dense 1; every other path 3 (given up after the warm-up).
-    Records each call's path."""
+class ScriptedRounds:
+    """Each path's seconds: ``early[path]`` in its first ``calls`` timings (the first call, the warm-up and the probe's
+    five rounds), ``late[path]`` after; a path in neither, ``other`` (3: given up after the warm-up). Records each
+    call's path."""
 
-    def __init__(self, early: float, late: float, calls: int = 7) -> None:
-        self.early, self.late, self.switch = early, late, calls
+    def __init__(self, early: dict[str, float], late: dict[str, float], calls: int = 7, other: float = 3.0) -> None:
+        self.early, self.late, self.switch, self.other = early, late, calls, other
         self.calls: list[str] = []
 
     def __call__(self, path, run):
         self.calls.append(path)
-        if path == "routed_kernel":
-            return self.early if self.calls.count(path) <= self.switch else self.late
-        return 1.0 if path == "masked_dense" else 3.0
+        return (self.early if self.calls.count(path) <= self.switch else self.late).get(path, self.other)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +208,7 @@ def test_a_win_is_timed_again_against_masked_dense(early, late, confirm, chosen,
     with torch.no_grad():  # as the probe runs it
         if "routed_kernel" not in m.paths or not kernel_path_runs(m, torch.randn(2, 9, 32), "routed_kernel"):
             pytest.skip("no routed_kernel path on this machine (visattn.kernels)")
-    timer = DriftingTimer(early, late)
+    timer = ScriptedRounds({"masked_dense": 1.0, "routed_kernel": early}, {"masked_dense": 1.0, "routed_kernel": late})
     with use_impl_probe(ImplProbe(timer=timer, confirm=confirm)), torch.no_grad():
         m(torch.randn(2, 9, 32))
     choice = m.path_log["[2, 9, 32] float32"]
@@ -218,18 +216,6 @@ def test_a_win_is_timed_again_against_masked_dense(early, late, confirm, chosen,
     assert timer.calls.count("masked_dense") == kernel_calls  # timed beside it, round for round
     if kernel_calls > 7:  # the record covers every round the decision read
         assert choice.ratios["routed_kernel"] == pytest.approx(late if late > early else early)
-
-
-class ScriptedRounds:
-    """Each path's seconds: ``early[path]`` in its first ``calls`` timings, ``late[path]`` after. Records each call."""
-
-    def __init__(self, early: dict[str, float], late: dict[str, float], calls: int = 7) -> None:
-        self.early, self.late, self.switch = early, late, calls
-        self.calls: list[str] = []
-
-    def __call__(self, path, run):
-        self.calls.append(path)
-        return (self.early if self.calls.count(path) <= self.switch else self.late)[path]
 
 
 def test_every_path_that_beat_the_reference_is_timed_again_and_the_pick_made_over_all_rounds():
