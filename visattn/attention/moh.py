@@ -250,7 +250,7 @@ class MoHAttention(HeadAttention):
             path = self._train_path if runs else REFERENCE_PATH
         else:
             path = self.choose_path(x).path
-        if path != self.last_path:  # nn.Module's __setattr__ cost ~3 us a call, a GPU layer's host time is ~0.5 ms
+        if path != self.last_path:  # nn.Module's __setattr__ is slow, and a GPU layer is bound by its host's calls
             self.last_path = path
         return PATHS[path](self, x)
 
