@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .fused_gating import GatedMerge, gated_merge_runs, gated_projection, gated_projection_runs
 from .routing import HeadRouter
+from .small_heads import small_attention, small_attention_runs
 from .tracing import autocast_enabled, keeps_stats
 
 
@@ -180,13 +181,17 @@ class HeadAttention(nn.Module):
     ) -> torch.Tensor:
         """Softmax attention through SDPA with this layer's dropout and key/value grouping (what
         ``attend`` does; variants call it after changing q/k, since TorchScript has no ``super()``).
-        q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]."""
+        q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]. Small heads in eval may run in the compiled
+        kernel instead, where the running machine computes them faster (``visattn.attention.small_heads``)."""
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if not torch.jit.is_scripting() and small_attention_runs(q, k, v, attn_mask, is_causal, dropout_p):
+            return small_attention(q, k, v, scale)
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attn_mask,
-            dropout_p=self.attn_drop.p if self.training else 0.0,
+            dropout_p=dropout_p,
             is_causal=is_causal,
             scale=scale,
             enable_gqa=self.num_kv_heads != self.num_heads,

@@ -27,20 +27,24 @@ def needs_grad(module: torch.nn.Module, x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
-def eager_cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether the compiled kernels may replace PyTorch code for x: an eager CPU tensor, outside
+def eager_cpu(x: torch.Tensor) -> bool:
+    """Whether a compiled CPU kernel may replace PyTorch code for x: an eager CPU tensor, outside
     ``torch.compile`` / fx tracing (they trace the PyTorch code), ``torch.func`` transforms and Python
-    dispatch modes (e.g. the FLOP counter, which should see the operations), with the kernels built and
-    switched on. Their backward is once-differentiable: double backward (``create_graph=True``)
-    needs ``visattn.kernels.disabled()``."""
+    dispatch modes (e.g. the FLOP counter, which should see the operations). The caller checks that its
+    kernel is built and switched on."""
     return (
         type(x) is torch.Tensor  # first: an fx Proxy's attributes cannot be tested
         and x.device.type == "cpu"
         and not torch.compiler.is_compiling()
         and _get_current_dispatch_mode() is None
         and not functorch_active()
-        and moh_routing_op() is not None
     )
+
+
+def eager_cpu_kernels(x: torch.Tensor) -> bool:
+    """``eager_cpu`` with MoH's routing kernels built and switched on. Their backward is once-differentiable:
+    double backward (``create_graph=True``) needs ``visattn.kernels.disabled()``."""
+    return eager_cpu(x) and moh_routing_op() is not None
 
 
 def eager_cuda_gates(x: torch.Tensor) -> bool:

@@ -23,6 +23,9 @@
   columns, float32, in the loops of ``small_gemm``), where it beats ``F.linear`` on the running machine;
   ``moh_router_gates_op()``: those logits and ``moh_gates``' pass in one op, per block of tokens, for
   inference (``routing.router_gates``).
+- ``small_attention_op()``: softmax attention for small heads and short sequences (float32, inference;
+  ``small_attention.cpp``), which ``HeadAttention.attend`` takes over SDPA where a probe on the running
+  machine finds it faster (``visattn.attention.small_heads``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -52,7 +55,9 @@ from filelock import FileLock  # torch's own dependency
 log = logging.getLogger(__name__)
 
 AVX2_ONLY_ENV = "VISATTN_KERNELS_AVX2"
-SOURCES = [Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("moh_routing.cpp", "moh_routed_heads.cpp", "small_attention.cpp")
+]
 HEADERS = [
     Path(__file__).with_name(name)
     for name in (
@@ -169,6 +174,13 @@ def moh_router_gates_op() -> Callable | None:
     in ``moh_router_logits``' loops per block of tokens, then ``moh_gates``' pass, and the head load; no backward)
     where the kernels load, else None (as ``moh_routing_op``)."""
     return None if _OFF.get() or not _load() else torch.ops.visattn.moh_router_gates
+
+
+def small_attention_op() -> Callable | None:
+    """``torch.ops.visattn.small_attention`` (q [B, H, N, d], k / v [B, Hkv, M, d], float32, M <= 64 keys, d <= 32
+    wide -> the attention, [B, H, N, d] over a [B, N, H, d] buffer; no backward) where the kernels load, else None
+    (as ``moh_routing_op``)."""
+    return None if _OFF.get() or not _load() else torch.ops.visattn.small_attention
 
 
 def autocast_weight_op() -> Callable | None:

@@ -1,0 +1,139 @@
+"""The small-heads attention kernel (visattn/kernels/small_attention.cpp, visattn.attention.small_heads): equal to
+SDPA to float rounding, its limits named in its errors, and taken by a layer only in eval, where the probe timed it
+faster. No timing is asserted (docs/benchmarks.md has those)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import visattn.attention.small_heads as small_heads
+import visattn.kernels as kernels
+from visattn.attention import build_attention
+from visattn.attention.impl_probe import ImplProbe
+from visattn.utils.flops import count_flops
+
+
+@pytest.fixture
+def op():
+    if kernels.small_attention_op() is None:
+        pytest.skip("no C++ toolchain: SDPA runs instead")
+    return kernels.small_attention_op()
+
+
+def _qkv(B, H, Hkv, N, d, M=None, seed=0):
+    """q [B, H, N, d] and k, v [B, Hkv, M, d] as views of one packed projection, as a layer's qkv split gives them."""
+    torch.manual_seed(seed)
+    M = N if M is None else M
+    packed = torch.randn(B, max(N, M), (H + 2 * Hkv) * d) * 2
+    q = packed[:, :N, : H * d].view(B, N, H, d).transpose(1, 2)
+    k = packed[:, :M, H * d : (H + Hkv) * d].view(B, M, Hkv, d).transpose(1, 2)
+    v = packed[:, :M, (H + Hkv) * d :].view(B, M, Hkv, d).transpose(1, 2)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    ("B", "H", "Hkv", "N", "M", "d"),
+    [
+        (3, 8, 8, 17, 17, 12),  # the study classifier's layers
+        (2, 8, 8, 49, 49, 8),  # the study DiT's
+        (2, 6, 2, 9, 9, 32),  # grouped keys and values, the widest heads
+        (1, 2, 2, 1, 1, 1),  # one token, one-wide heads
+        (2, 3, 3, 64, 64, 5),  # the most keys; a width no vector divides
+        (2, 4, 4, 7, 20, 16),  # fewer queries than keys
+        (0, 4, 4, 7, 7, 16),  # no images
+    ],
+)
+def test_equals_sdpa(op, B, H, Hkv, N, M, d):
+    q, k, v = _qkv(B, H, Hkv, N, d, M)
+    out = op(q, k, v, d**-0.5)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # the merged [B, N, H, d] layout the output projection reads
+
+
+def test_scale_is_the_one_given(op):
+    q, k, v = _qkv(2, 4, 4, 10, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    torch.testing.assert_close(op(q, k, v, 1.0), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q, torch.randn(2, 4, 65, 8), torch.randn(2, 4, 65, 8)), "keys <= 64"),
+        (lambda q, k, v: tuple(torch.randn(2, 4, 10, 33) for _ in range(3)), "width <= 32"),
+        (lambda q, k, v: (q, k.transpose(-1, -2), v), "must be"),  # [B, Hkv, d, M]: its sizes do not match
+        (lambda q, k, v: (q.double(), k.double(), v.double()), "float32"),
+        (lambda q, k, v: (q, k[:, :3], v[:, :3]), "multiple of Hkv"),
+        (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), "contiguous"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_limit(op, change, message):
+    q, k, v = _qkv(2, 4, 4, 10, 8)
+    with pytest.raises(RuntimeError, match=message):
+        op(*change(q, k, v), 0.3)
+
+
+class FixedTimes:
+    """A probe timer: each path's seconds from ``times``; counts the kernel's timed calls."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, path, run):
+        self.calls.append(path)
+        return self.times[path]
+
+
+def _counting(monkeypatch, op):
+    calls = []
+    monkeypatch.setattr(small_heads, "small_attention_op", lambda: (lambda *a: calls.append(1) or op(*a)))
+    return calls
+
+
+@pytest.mark.parametrize(("kernel_time", "taken"), [(0.5, True), (1.5, False)])
+def test_a_layer_in_eval_takes_the_kernel_where_the_probe_timed_it_faster(op, monkeypatch, kernel_time, taken):
+    layer = build_attention("mha", 48, num_heads=4).eval()
+    x = torch.randn(2, 17, 48)
+    with torch.no_grad(), kernels.disabled():
+        ref = layer(x)
+    calls = _counting(monkeypatch, op)
+    probe = ImplProbe(timer=FixedTimes({"sdpa": 1.0, "small_attention": kernel_time}))
+    monkeypatch.setattr(small_heads, "PROBE", probe)
+    with torch.no_grad():
+        out = layer(x)
+        probed = len(calls)
+        again = layer(x)
+    (choice,) = probe.choices.values()
+    assert choice.path == ("small_attention" if taken else "sdpa")
+    assert len(calls) - probed == int(taken)  # the second forward: the kernel once, or SDPA
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_runs_where_the_kernel_does_not_apply(op, monkeypatch):
+    calls = _counting(monkeypatch, op)
+    monkeypatch.setattr(small_heads, "PROBE", ImplProbe(timer=FixedTimes({"sdpa": 1.0, "small_attention": 0.1})))
+    layer = build_attention("mha", 48, num_heads=4, attn_drop=0.1)
+    x = torch.randn(2, 17, 48)
+    layer.train()(x).sum().backward()  # training: dropout and gradients
+    layer.eval()(x).sum().backward()  # eval with gradients: no backward in the kernel
+    with torch.no_grad():
+        layer(torch.randn(2, 65, 48))  # more keys than the kernel holds
+        layer(x, attn_mask=torch.ones(17, 17, dtype=torch.bool))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+    flops = count_flops(layer, x)  # the FLOP counter sees SDPA (the kernel's FLOPs would not be counted)
+    assert calls == []
+    with kernels.disabled():
+        assert flops == count_flops(layer, x)
+    with torch.no_grad():
+        layer(x)
+    assert calls  # and the same layer takes the kernel in plain eval
+
+
+def test_scripted_layers_keep_sdpa(op):
+    layer = build_attention("mha", 48, num_heads=4).eval()
+    x = torch.randn(2, 17, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.script(layer)(x), layer(x), rtol=1e-5, atol=1e-5)

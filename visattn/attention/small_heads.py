@@ -1,0 +1,63 @@
+"""Softmax attention of small heads in the compiled kernel (``visattn/kernels/small_attention.cpp``), where the
+running machine computes it faster than SDPA.
+
+At the study's sizes (8-12 wide heads, 17-49 tokens, batch 256) SDPA's CPU kernel ran at 3-5 GFLOP/s on an
+AMD EPYC core (Zen 3), half or more of an attention layer's time; the kernel took 0.55-0.7x its time there
+(docs/benchmarks.md, 21st session). Which is faster depends on the CPU, so the first eval call at a new
+shape times both, interleaved, with the probe MoH's ``impl="auto"`` uses (``visattn.attention.impl_probe``:
+SDPA is the reference, kept unless the kernel is clearly faster), an instance of its own (``PROBE``: MoH's probe
+times this attention inside its paths, and a timer scripted for those paths in a test knows none of these), and
+the choice is kept per process (and on disk where opted in). Eval only (no backward), float32, no mask, not
+causal, no dropout, at most ``MAX_KEYS`` keys and ``MAX_WIDTH`` wide heads, eager on a CPU; SDPA elsewhere.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from visattn.kernels import build_id, small_attention_op
+
+from .fused_gating import eager_cpu
+from .impl_probe import ImplProbe, default_disk_dir, device_name
+from .tracing import autocast_enabled
+
+MAX_KEYS = 64  # the kernel keeps a row of scores in 8 vector registers
+MAX_WIDTH = 32
+REFERENCE = "sdpa"
+KERNEL = "small_attention"
+PROBE = ImplProbe(disk_dir=default_disk_dir())
+
+
+@torch.jit.unused  # TorchScript runs SDPA
+def small_attention_runs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    dropout_p: float,
+) -> bool:
+    """Whether ``small_attention`` may replace SDPA for these arguments (q: [B, H, N, d], k / v: [B, Hkv, M, d])."""
+    if attn_mask is not None or is_causal or dropout_p != 0.0 or not eager_cpu(q):
+        return False
+    if any(t.dtype != torch.float32 or t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    H, d, Hkv, M = q.shape[1], q.shape[-1], k.shape[1], k.shape[-2]
+    return (
+        1 <= M <= MAX_KEYS and 1 <= d <= MAX_WIDTH and Hkv >= 1 and H % Hkv == 0 and not autocast_enabled("cpu")
+        and small_attention_op() is not None
+    )  # fmt: skip
+
+
+@torch.jit.unused
+def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v, q: [B, H, N, d], k / v: [B, Hkv, M, d] -> [B, H, N, d], through the kernel or SDPA,
+    whichever the probe found faster for these shapes. Call only where ``small_attention_runs``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    op = small_attention_op()
+    gqa = q.shape[1] != k.shape[1]
+    runs = {
+        REFERENCE: lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa),
+        KERNEL: lambda: op(q, k, v, scale),
+    }
+    device = device_name(q.device)
+    key = (KERNEL, device, torch.get_num_threads(), torch.__version__, tuple(q.shape), tuple(k.shape), build_id())
+    choice = PROBE.choose(key, runs, REFERENCE, tuple(q.shape), "float32", device)
+    return runs[choice.path]()
