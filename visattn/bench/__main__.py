@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mod.add_argument("--no-memory", dest="memory", action="store_false", help="skip peak-memory measurement")
     mod.add_argument("--compile", action="store_true", help="time torch.compile'd models (inductor; compiled in the warm-up)")
     mod.add_argument("--compare-kernels", action="store_true",
-                     help="also time each attention but the first with visattn.kernels off ('<attn> pytorch' rows)")
+                     help="also time each attention with visattn.kernels off ('<attn> pytorch' rows)")
     _common(mod)
     study = sub.add_parser("study", help="the study's models (conf/study/), whole, per cell: images/s")
     study.add_argument("--tasks", nargs="+", default=list(STUDY_TASKS), choices=STUDY_TASKS)

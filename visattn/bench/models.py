@@ -135,8 +135,8 @@ def run_model_bench(
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset``, ``infer_images_per_s`` and
     ``train_images_per_s``; the first attention of ``attns`` is the reference of the ratios.
-    ``compare_kernels``: each other attention also as ``<attn> pytorch``, with ``visattn.kernels`` off, in
-    the same rounds."""
+    ``compare_kernels``: each attention also as ``<attn> pytorch``, with ``visattn.kernels`` off, in the same
+    rounds (the reference too: its small heads may run the kernels' attention, ``visattn.attention.small_heads``)."""
     rows: list[dict[str, Any]] = []
     for preset in presets:
         if preset not in MODEL_PRESETS:
@@ -148,7 +148,7 @@ def run_model_bench(
             continue
         cases = {a: (AttentionCase(a, a), (preset, a, batch)) for a in attns}
         if compare_kernels:
-            off = {f"{a} pytorch": (AttentionCase(f"{a} pytorch", a), (preset, a, batch, 0, False)) for a in attns[1:]}
+            off = {f"{a} pytorch": (AttentionCase(f"{a} pytorch", a), (preset, a, batch, 0, False)) for a in attns}
             cases |= off
         measured = measure_cases(
             cases,

@@ -120,8 +120,9 @@ def run_study_bench(
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
     ``train_images_per_s``, ``paths`` (per attention layer, the path its inference took) and
     ``train_paths`` (the path it trained on); the
-    first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each other cell also
-    as ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds.
+    first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each cell also as
+    ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds (the
+    reference too: its small heads may run the kernels' attention, ``visattn.attention.small_heads``).
     ``moh_impl``: each other cell also as ``<cell> <moh_impl>``, every MoH layer that has that path set
     to it (in training too; ``impl=auto`` trains on what the start-up probe chose, ``train_paths``)."""
     from visattn.attention import impl_choices
@@ -140,7 +141,7 @@ def run_study_bench(
 
     labels = [(c, c) for c in cells]
     if compare_kernels:
-        labels += [(f"{c} pytorch", c) for c in cells[1:]]
+        labels += [(f"{c} pytorch", c) for c in cells]
     if moh_impl is not None:
         labels += [(f"{c} {moh_impl}", c) for c in cells[1:]]
     for task in tasks:
