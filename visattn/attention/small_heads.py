@@ -1,9 +1,9 @@
 """Softmax attention of small heads in the compiled kernel (``visattn/kernels/small_attention.cpp``), where the
 running machine computes it faster than SDPA.
 
-At the study's sizes (8-12 wide heads, 17-49 tokens, batch 256) SDPA's CPU kernel ran at 3-5 GFLOP/s on an
-AMD EPYC core (Zen 3), half or more of an attention layer's time; the kernel took 0.55-0.7x its time there
-(docs/benchmarks.md, 21st session). Which is faster depends on the CPU, so the first eval call at a new
+At the study's sizes (8-12 wide heads, 17-49 tokens, batch 256) SDPA's CPU kernel ran at 4.6-6.6 GFLOP/s on an
+AMD EPYC core (Zen 3), half or more of an attention layer's time; the kernel took 0.62-0.68x its time there, and
+1.1-1.45x at 64 keys 16-32 wide (docs/benchmarks.md, 21st session). Which is faster depends on the CPU, so the first eval call at a new
 shape times both, interleaved, with the probe MoH's ``impl="auto"`` uses (``visattn.attention.impl_probe``:
 SDPA is the reference, kept unless the kernel is clearly faster), an instance of its own (``PROBE``: MoH's probe
 times this attention inside its paths, and a timer scripted for those paths in a test knows none of these), and

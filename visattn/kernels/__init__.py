@@ -24,7 +24,7 @@
   ``moh_router_gates_op()``: those logits and ``moh_gates``' pass in one op, per block of tokens, for
   inference (``routing.router_gates``).
 - ``small_attention_op()``: softmax attention for small heads and short sequences (float32, inference;
-  ``small_attention.cpp``), which ``HeadAttention.attend`` takes over SDPA where a probe on the running
+  ``small_attention.cpp``), which ``HeadAttention.sdpa`` takes over SDPA's where a probe on the running
   machine finds it faster (``visattn.attention.small_heads``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
