@@ -3,8 +3,8 @@
 // [B, N, H, d] layout the output projection reads.
 //
 // Why not SDPA: at the study's sizes (8-12 wide heads, 17-49 tokens, a few thousand (image, head) pairs) its
-// CPU kernel works in blocks meant for long sequences and wide heads and ran at 3.7-4.6 GFLOP/s on an AMD
-// EPYC core (28th November 2026), about 5% of the core's FMA peak: most of a study layer's time. Here a row
+// CPU kernel works in blocks meant for long sequences and wide heads and ran at 4.6-6.6 GFLOP/s on an AMD
+// EPYC core (28th November 2026), 5-7% of the core's FMA peak: most of a study layer's time. Here a row
 // of scores is a few vector registers. Larger heads and sequences stay on SDPA, and where SDPA is the faster
 // on the running machine, a probe says so (visattn.attention.small_heads). Built by visattn.kernels.
 #include <ATen/ATen.h>
@@ -130,7 +130,7 @@ VISATTN_INLINE float row_softmax(float* s, const float* keep, const float* below
 }
 
 struct Args {
-  int64_t B, H, Hkv, N, M, d;
+  int64_t H, Hkv, N, M, d;
   const float *q, *k, *v;
   int64_t qs[3], ks[3], vs[3];     // strides over (image, head, token); 1 over the width
   float scale;
@@ -226,7 +226,7 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "small_attention: the head width must be contiguous in q, k and v");
   at::Tensor out = at::empty({B, N, H, d}, q.options());
-  const Args a{B, H, Hkv, N, M, d, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+  const Args a{H, Hkv, N, M, d, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                {q.stride(0), q.stride(1), q.stride(2)},
                {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
                static_cast<float>(scale), out.data_ptr<float>()};
