@@ -137,3 +137,57 @@ def test_scripted_layers_keep_sdpa(op):
     x = torch.randn(2, 17, 48)
     with torch.no_grad():
         torch.testing.assert_close(torch.jit.script(layer)(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def _gates(B, N, H, seed=1):
+    """MoH-like gates [B, N, H]: about half the (token, head) pairs 0, the head 1 of image 0 0 for every token."""
+    torch.manual_seed(seed)
+    gates = torch.rand(B, N, H) * (torch.rand(B, N, H) < 0.5)
+    gates[0, :, 1] = 0
+    return gates
+
+
+@pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32), (4, 4, 49, 8)])
+def test_rows_gated_0_are_skipped_and_the_others_unchanged_bit_for_bit(op, H, Hkv, N, d):
+    q, k, v = _qkv(3, H, Hkv, N, d)
+    gates = _gates(3, H, N).transpose(1, 2)  # [B, N, H], not contiguous: read through its strides
+    full = op(q, k, v, d**-0.5)
+    out = op(q, k, v, d**-0.5, gates)
+    attended = (gates != 0).transpose(1, 2)  # [B, H, N], the output's layout
+    assert torch.equal(out[attended], full[attended])
+    assert (out[~attended] == 0).all() and not (full[~attended] == 0).all()
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_a_nan_gate_is_not_skipped(op):
+    q, k, v = _qkv(2, 4, 4, 10, 8)
+    gates = torch.zeros(2, 10, 4)
+    gates[1, 3, 2] = float("nan")  # a NaN gate must reach the output, not be hidden by a skipped row
+    out = op(q, k, v, 0.3, gates)
+    torch.testing.assert_close(out[1, 2, 3], op(q, k, v, 0.3)[1, 2, 3], rtol=0, atol=0)
+    assert out.abs().sum() == out[1, 2, 3].abs().sum()
+
+
+@pytest.mark.parametrize("gates", [torch.ones(2, 4, 10), torch.ones(2, 10, 4).double()])
+def test_bad_gates_are_refused_with_their_shape(op, gates):
+    q, k, v = _qkv(2, 4, 4, 10, 8)
+    with pytest.raises(RuntimeError, match=r"gates must be float32 \[B, N, H\] = \[2, 10, 4\]"):
+        op(q, k, v, 0.3, gates)
+
+
+def test_moh_in_eval_skips_unselected_rows_with_the_masked_dense_output(op, monkeypatch):
+    layer = build_attention("moh", 48, num_heads=4, shared_heads=1, routed_topk=1, impl="dense").eval()
+    x = torch.randn(3, 17, 48)
+    calls = []
+    monkeypatch.setattr(small_heads, "small_attention_op", lambda: (lambda *a: calls.append(len(a)) or op(*a)))
+    monkeypatch.setattr(small_heads, "PROBE", ImplProbe(timer=FixedTimes({"sdpa": 1.0, "small_attention": 0.5})))
+    with torch.no_grad():
+        skipping = layer(x)
+        assert calls[-1] == 5  # the gates were passed
+        layer.attends_by_sdpa = False  # every row attended, then gated
+        every_row = layer(x)
+        assert calls[-1] == 4
+        with kernels.disabled():
+            sdpa = layer(x)
+    assert torch.equal(skipping, every_row)
+    torch.testing.assert_close(skipping, sdpa, rtol=1e-5, atol=1e-5)

@@ -113,6 +113,8 @@ class HeadAttention(nn.Module):
         self.gate = nn.Linear(dim, self.attn_dim, bias=qkv_bias, **dd) if gated else None
         self.proj = nn.Linear(self.attn_dim, dim_out or dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        # softmax heads through ``sdpa``: a gated forward may then skip the rows whose gate is 0 (dense_forward)
+        self.attends_by_sdpa = type(self).attend is HeadAttention.attend
 
         if routed_topk is None and shared_heads is not None:
             raise ValueError(f"shared_heads={shared_heads} was given without routed_topk; give both to route heads")
@@ -178,14 +180,17 @@ class HeadAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         scale: float | None = None,
+        row_gates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax attention through SDPA with this layer's dropout and key/value grouping (what
         ``attend`` does; variants call it after changing q/k, since TorchScript has no ``super()``).
         q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]. Small heads in eval may run in the compiled
-        kernel instead, where the running machine computes them faster (``visattn.attention.small_heads``)."""
+        kernel instead, where the running machine computes them faster (``visattn.attention.small_heads``);
+        it then skips the query rows whose ``row_gates`` [B, N, H] are 0 (their output is 0 there), which only
+        a caller that multiplies the heads by those gates may pass."""
         dropout_p = self.attn_drop.p if self.training else 0.0
         if not torch.jit.is_scripting() and small_attention_runs(q, k, v, attn_mask, is_causal, dropout_p):
-            return small_attention(q, k, v, scale)
+            return small_attention(q, k, v, scale, row_gates)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -269,7 +274,11 @@ class HeadAttention(nn.Module):
             else:
                 q, k, v = self.project_qkv(x)
                 gates, _ = self.route(x, q, selection=False)
-        heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        if gates is not None and self.attends_by_sdpa:
+            # merge_heads multiplies each head by its gate, so the rows gated 0 need not be attended
+            heads = self.sdpa(q, k, v, attn_mask, is_causal, row_gates=gates)
+        else:
+            heads = self.attend(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
         return self.merge_heads(x, heads, gates)
 
     @torch.jit.unused

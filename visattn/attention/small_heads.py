@@ -47,9 +47,16 @@ def small_attention_runs(
 
 
 @torch.jit.unused
-def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def small_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, row_gates: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q k^T * scale) v, q: [B, H, N, d], k / v: [B, Hkv, M, d] -> [B, H, N, d], through the kernel or SDPA,
-    whichever the probe found faster for these shapes. Call only where ``small_attention_runs``."""
+    whichever the probe found faster for these shapes. Call only where ``small_attention_runs``.
+
+    ``row_gates`` [B, N, H] (MoH's head gates, float32): the kernel skips the query rows whose gate is 0 and writes
+    0 there (the other rows are what they are without gates, bit for bit), so pass them only where the heads are
+    then multiplied by these gates. The probe times both without gates (skipping only lightens the kernel's side,
+    and one choice per shape keeps MHA and MoH layers of a shape on the same attention)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     op = small_attention_op()
     gqa = q.shape[1] != k.shape[1]
@@ -60,4 +67,6 @@ def small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     device = device_name(q.device)
     key = (KERNEL, device, torch.get_num_threads(), torch.__version__, tuple(q.shape), tuple(k.shape), build_id())
     choice = PROBE.choose(key, runs, REFERENCE, tuple(q.shape), "float32", device)
+    if choice.path == KERNEL and row_gates is not None and row_gates.dtype == torch.float32:
+        return op(q, k, v, scale, row_gates)
     return runs[choice.path]()

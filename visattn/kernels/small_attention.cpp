@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "simd.h"
@@ -135,85 +136,139 @@ struct Args {
   int64_t qs[3], ks[3], vs[3];     // strides over (image, head, token); 1 over the width
   float scale;
   float* out;                      // [B, N, H, d]
+  const float* gates;              // [B, N, H] or null: a query row whose gate is 0 is skipped (written 0)
+  int64_t gs[3];                   // gates' strides over (image, token, head)
 };
 
 constexpr int kRows = 4;  // query rows per step
 
-// Query rows i0 .. i0 + 4 of head h of image b (qg: the head's queries, scaled, [N rounded up to 4, d]; rows
-// past N are 0 and not written out). Scores of RQS rows at a time, values of RQV rows at a time.
+// Rows i0 .. i0 + 4 of qg, the attended queries of head h (scaled, [rows rounded up to 4, d]; rows past `count`
+// are 0 and not written out), row i being query token idx[i], into the image's output ob [N, H, d]. Scores of
+// RQS rows at a time, values of RQV rows at a time. A row's arithmetic does not depend on the rows beside it.
 template <int NB, int DB>
-VISATTN_INLINE void attend_rows(const Args& a, int64_t b, int64_t h, int64_t i0, const float* qg, const float* kt,
-                                const float* vp, const float* keep, const float* below, float* s, float* o) {
+VISATTN_INLINE void attend_rows(const Args& a, int64_t h, int64_t i0, int64_t count, const int64_t* idx,
+                                const float* qg, const float* kt, const float* vp, const float* keep,
+                                const float* below, float* s, float* o, float* ob) {
   constexpr int RQS = NB <= 2 ? 4 : (NB <= 6 ? 2 : 1), RQV = DB <= 2 ? 4 : 2;
-  const int64_t d = a.d, N = a.N;
+  const int64_t d = a.d;
   UNROLL for (int r = 0; r < kRows; r += RQS)
     rows_scores<NB, RQS>(qg + (i0 + r) * d, d, kt, s + r * NB * W);
   float norm[kRows];
   UNROLL for (int r = 0; r < kRows; ++r) norm[r] = row_softmax<NB>(s + r * NB * W, keep, below);
   UNROLL for (int r = 0; r < kRows; r += RQV)
     rows_values<NB, DB, RQV>(s + r * NB * W, a.M, vp, o + r * DB * W);
-  const int rows = static_cast<int>(std::min<int64_t>(kRows, N - i0));
+  const int rows = static_cast<int>(std::min<int64_t>(kRows, count - i0));
   for (int r = 0; r < rows; ++r) {
-    float* dst = a.out + ((b * N + i0 + r) * a.H + h) * d;
+    float* dst = ob + (idx[i0 + r] * a.H + h) * d;
     for (int64_t c = 0; c < d; ++c) dst[c] = o[r * DB * W + c] * norm[r];
   }
 }
 
-// The heads of key/value head kvh of image b: the keys transposed and the values padded, once, then each
-// head's queries gathered and scaled, and its rows attended four at a time.
+// A thread's buffers, sized (and zeroed) on its first image only: every image overwrites the keys' and values'
+// first M rows and d columns, so their padding stays 0.
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int64_t> rows;
+};
+
+// Every head of image b. Its query, key and value rows are read in memory order (token by token: in a layer's
+// packed projection the heads of a token are side by side), which the hardware prefetchers follow; reading
+// them head by head, a token's row apart, stalled on the caches for about a third of the kernel's time (perf,
+// AMD EPYC Zen 3). Then per head: the query rows whose gate is not 0 attended four at a time, into the
+// image's [N, H, d] output, copied out whole.
 template <int NB, int DB>
-VISATTN_INLINE void attend_group(const Args& a, int64_t b, int64_t kvh, std::vector<float>& buf) {
-  const int64_t d = a.d, M = a.M, N = a.N, group = a.H / a.Hkv, N4 = (N + kRows - 1) / kRows * kRows;
-  buf.assign(d * NB * W + M * DB * W + N4 * d + 2 * NB * W + kRows * (NB + DB) * W, 0.f);
-  float *kt = buf.data(), *vp = kt + d * NB * W, *qg = vp + M * DB * W, *keep = qg + N4 * d, *below = keep + NB * W;
-  float *s = below + NB * W, *o = s + kRows * NB * W;
-  for (int64_t n = 0; n < NB * W; ++n) {
-    keep[n] = n < M ? 1.f : 0.f;
-    below[n] = n < M ? 0.f : -3.0e38f;
+VISATTN_INLINE void attend_image(const Args& a, int64_t b, Scratch& scratch) {
+  const int64_t d = a.d, M = a.M, N = a.N, H = a.H, Hkv = a.Hkv, group = H / Hkv;
+  const int64_t N4 = (N + kRows - 1) / kRows * kRows;
+  const int64_t kt_size = d * NB * W, vp_size = M * DB * W;
+  const size_t size = Hkv * (kt_size + vp_size) + H * N4 * d + 2 * NB * W + kRows * (NB + DB) * W + N * H * d;
+  const bool fresh = scratch.f.size() != size;
+  if (fresh) {
+    scratch.f.assign(size, 0.f);
+    scratch.rows.assign(H * (N + 2), 0);
   }
-  const float* kb = a.k + b * a.ks[0] + kvh * a.ks[1];
-  const float* vb = a.v + b * a.vs[0] + kvh * a.vs[1];
-  for (int64_t n = 0; n < M; ++n)
-    for (int64_t c = 0; c < d; ++c) {
-      kt[c * NB * W + n] = kb[n * a.ks[2] + c];
-      vp[n * DB * W + c] = vb[n * a.vs[2] + c];
+  float *kt = scratch.f.data(), *vp = kt + Hkv * kt_size, *qg = vp + Hkv * vp_size, *keep = qg + H * N4 * d;
+  float *below = keep + NB * W, *s = below + NB * W, *o = s + kRows * NB * W, *ob = o + kRows * DB * W;
+  if (fresh)
+    for (int64_t n = 0; n < NB * W; ++n) {
+      keep[n] = n < M ? 1.f : 0.f;
+      below[n] = n < M ? 0.f : -3.0e38f;
     }
-  for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-    const float* qb = a.q + b * a.qs[0] + h * a.qs[1];
+  int64_t *idx = scratch.rows.data(), *counts = idx + H * N, *filled = counts + H;  // per head: its rows, count
+  std::fill(counts, counts + 2 * H, 0);
+  int64_t any = 0;
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      if (a.gates != nullptr && a.gates[b * a.gs[0] + i * a.gs[1] + h * a.gs[2]] == 0.f) {
+        std::fill(ob + (i * H + h) * d, ob + (i * H + h + 1) * d, 0.f);
+      } else {
+        idx[h * N + counts[h]++] = i;
+        ++any;
+      }
+    }
+  if (any > 0) {
+    const float *kb = a.k + b * a.ks[0], *vb = a.v + b * a.vs[0], *qb = a.q + b * a.qs[0];
+    for (int64_t n = 0; n < M; ++n)
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const float *kr = kb + n * a.ks[2] + g * a.ks[1], *vr = vb + n * a.vs[2] + g * a.vs[1];
+        float *ktg = kt + g * kt_size, *vpg = vp + g * vp_size + n * DB * W;
+        for (int64_t c = 0; c < d; ++c) {
+          ktg[c * NB * W + n] = kr[c];
+          vpg[c] = vr[c];
+        }
+      }
     for (int64_t i = 0; i < N; ++i)
-      for (int64_t c = 0; c < d; ++c) qg[i * d + c] = qb[i * a.qs[2] + c] * a.scale;
-    for (int64_t i0 = 0; i0 < N; i0 += kRows) attend_rows<NB, DB>(a, b, h, i0, qg, kt, vp, keep, below, s, o);
+      for (int64_t h = 0; h < H; ++h) {
+        int64_t& row = filled[h];
+        if (row == counts[h] || idx[h * N + row] != i) continue;
+        const float* qr = qb + i * a.qs[2] + h * a.qs[1];
+        float* dst = qg + (h * N4 + row) * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = qr[c] * a.scale;
+        ++row;
+      }
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t count = counts[h], count4 = (count + kRows - 1) / kRows * kRows;
+      float* qh = qg + h * N4 * d;
+      std::fill(qh + count * d, qh + count4 * d, 0.f);
+      const float *kth = kt + (h / group) * kt_size, *vph = vp + (h / group) * vp_size;
+      for (int64_t i0 = 0; i0 < count; i0 += kRows)
+        attend_rows<NB, DB>(a, h, i0, count, idx + h * N, qh, kth, vph, keep, below, s, o, ob);
+    }
   }
+  std::memcpy(a.out + b * N * H * d, ob, N * H * d * sizeof(float));
 }
 
 template <int NB>
-VISATTN_INLINE void attend_group_db(const Args& a, int64_t b, int64_t kvh, std::vector<float>& buf) {
+VISATTN_INLINE void attend_image_db(const Args& a, int64_t b, Scratch& scratch) {
   switch (blocks(a.d)) {
-    case 1: return attend_group<NB, 1>(a, b, kvh, buf);
-    case 2: return attend_group<NB, 2>(a, b, kvh, buf);
-    case 3: return attend_group<NB, 3>(a, b, kvh, buf);
-    default: return attend_group<NB, 4>(a, b, kvh, buf);
+    case 1: return attend_image<NB, 1>(a, b, scratch);
+    case 2: return attend_image<NB, 2>(a, b, scratch);
+    case 3: return attend_image<NB, 3>(a, b, scratch);
+    default: return attend_image<NB, 4>(a, b, scratch);
   }
 }
 
 // Compiled per instruction set (the templates above are inlined into each clone).
-VISATTN_SIMD_CLONES void attend_pair(const Args& a, int64_t b, int64_t kvh, std::vector<float>& buf) {
+VISATTN_SIMD_CLONES void attend_one_image(const Args& a, int64_t b, Scratch& scratch) {
   switch (blocks(a.M)) {
-    case 1: return attend_group_db<1>(a, b, kvh, buf);
-    case 2: return attend_group_db<2>(a, b, kvh, buf);
-    case 3: return attend_group_db<3>(a, b, kvh, buf);
-    case 4: return attend_group_db<4>(a, b, kvh, buf);
-    case 5: return attend_group_db<5>(a, b, kvh, buf);
-    case 6: return attend_group_db<6>(a, b, kvh, buf);
-    case 7: return attend_group_db<7>(a, b, kvh, buf);
-    default: return attend_group_db<8>(a, b, kvh, buf);
+    case 1: return attend_image_db<1>(a, b, scratch);
+    case 2: return attend_image_db<2>(a, b, scratch);
+    case 3: return attend_image_db<3>(a, b, scratch);
+    case 4: return attend_image_db<4>(a, b, scratch);
+    case 5: return attend_image_db<5>(a, b, scratch);
+    case 6: return attend_image_db<6>(a, b, scratch);
+    case 7: return attend_image_db<7>(a, b, scratch);
+    default: return attend_image_db<8>(a, b, scratch);
   }
 }
 
 // softmax(q k^T * scale) v per (image, head). q: [B, H, N, d], k / v: [B, Hkv, M, d] (H a multiple of Hkv; any
-// strides with the width contiguous), float32, M <= 64, d <= 32. -> [B, H, N, d], a view of a [B, N, H, d]
-// tensor (the merged heads).
-at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+// strides with the width contiguous), float32, M <= 64, d <= 32; gates: [B, N, H] float32 (any strides) or none:
+// where a gate is 0 the query row is not attended and its output is 0 (MoH's unselected heads, whose output the
+// gate zeroes anyway). -> [B, H, N, d], a view of a [B, N, H, d] tensor (the merged heads). The other rows are
+// equal bit for bit to what they are without gates.
+at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                           const std::optional<at::Tensor>& gates) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "small_attention: q, k, v must be [B, H, N, d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "small_attention: float32 only");
@@ -225,14 +280,21 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               kMaxKeys, " and 1 <= head width <= ", kMaxWidth, ", got ", M, " and ", d);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "small_attention: the head width must be contiguous in q, k and v");
+  const bool gated = gates.has_value();
+  if (gated)
+    TORCH_CHECK(gates->dim() == 3 && gates->size(0) == B && gates->size(1) == N && gates->size(2) == H &&
+                    gates->scalar_type() == at::kFloat,
+                "small_attention: gates must be float32 [B, N, H] = [", B, ", ", N, ", ", H, "], got ",
+                gates->scalar_type(), " ", gates->sizes());
   at::Tensor out = at::empty({B, N, H, d}, q.options());
   const Args a{H, Hkv, N, M, d, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                {q.stride(0), q.stride(1), q.stride(2)},
                {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
-               static_cast<float>(scale), out.data_ptr<float>()};
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf;
-    for (int64_t p = p0; p < p1; ++p) attend_pair(a, p / Hkv, p % Hkv, buf);
+               static_cast<float>(scale), out.data_ptr<float>(), gated ? gates->data_ptr<float>() : nullptr,
+               {gated ? gates->stride(0) : 0, gated ? gates->stride(1) : 0, gated ? gates->stride(2) : 0}};
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    Scratch scratch;
+    for (int64_t b = b0; b < b1; ++b) attend_one_image(a, b, scratch);
   });
   return out.transpose(1, 2);
 }
@@ -240,6 +302,6 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
-  m.def("small_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("small_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) { m.impl("small_attention", &small_attention); }
