@@ -43,8 +43,11 @@ def _qkv(B, H, Hkv, N, d, M=None, seed=0):
         (0, 4, 4, 7, 7, 16),  # no images
     ],
 )
-def test_equals_sdpa(op, B, H, Hkv, N, M, d):
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_equals_sdpa(op, B, H, Hkv, N, M, d, contiguous):
     q, k, v = _qkv(B, H, Hkv, N, d, M)
+    if contiguous:  # [B, H, N, d] tensors, as a q/k norm gives them
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = op(q, k, v, d**-0.5)
     ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -147,9 +150,12 @@ def _gates(B, N, H, seed=1):
     return gates
 
 
+@pytest.mark.parametrize("contiguous", [False, True])  # the kernel reads token by token / head by head
 @pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32), (4, 4, 49, 8)])
-def test_rows_gated_0_are_skipped_and_the_others_unchanged_bit_for_bit(op, H, Hkv, N, d):
+def test_rows_gated_0_are_skipped_and_the_others_unchanged_bit_for_bit(op, H, Hkv, N, d, contiguous):
     q, k, v = _qkv(3, H, Hkv, N, d)
+    if contiguous:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gates = _gates(3, H, N).transpose(1, 2)  # [B, N, H], not contiguous: read through its strides
     full = op(q, k, v, d**-0.5)
     out = op(q, k, v, d**-0.5, gates)
