@@ -4,7 +4,8 @@ budget, and its exact inference paths.
 Paths (all equal to the masked dense one up to float rounding):
 
 - ``masked_dense``: every head computed, unselected ones zeroed by their gates (the reference, the
-  training path, and what the released MoH code runs);
+  training path, and what the released MoH code runs; in eval, where small heads run the kernels' attention,
+  it skips the (token, head) rows gated 0, with the same output: ``HeadAttention.sdpa``'s ``row_gates``);
 - ``dense_projections``: one qkv and one output matmul, attention only for the selected pairs
   (``visattn.attention.sparse``);
 - ``sparse_projections``: queries, attention and output projection only for the selected pairs

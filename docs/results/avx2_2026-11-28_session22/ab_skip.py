@@ -49,6 +49,7 @@ with torch.no_grad():
                 op_ms[name][event.key] += event.self_cpu_time_total / 5e3
 for cell in cells:
     skip, every = op_ms[f"{cell} skip"], op_ms[f"{cell} every row"]
-    print(f"{cell}: model time skip / every row {median_ratio(samples[cell + ' skip'], samples[cell + ' every row']):.3f};"
+    ratio = median_ratio(samples[f"{cell} skip"], samples[f"{cell} every row"])
+    print(f"{cell}: model time skip / every row {ratio:.3f};"
           f" small_attention {skip['visattn::small_attention']:.2f} / {every['visattn::small_attention']:.2f} ms,"
           f" all ops {sum(skip.values()):.1f} / {sum(every.values()):.1f} ms (profiler, 5 rounds)")
