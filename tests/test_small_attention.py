@@ -143,11 +143,13 @@ def test_scripted_layers_keep_sdpa(op):
 
 
 def _gates(B, N, H, seed=1):
-    """MoH-like gates [B, N, H]: about half the (token, head) pairs 0, the head 1 of image 0 0 for every token."""
+    """MoH-like gates [B, N, H] (a transposed view: read through its strides): about half the (token, head) pairs 0,
+    head 1 of image 0 off for every token, and every head of the last image off."""
     torch.manual_seed(seed)
-    gates = torch.rand(B, N, H) * (torch.rand(B, N, H) < 0.5)
-    gates[0, :, 1] = 0
-    return gates
+    gates = torch.rand(B, H, N) * (torch.rand(B, H, N) < 0.5)
+    gates[0, 1] = 0
+    gates[-1] = 0
+    return gates.transpose(1, 2)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])  # the kernel reads token by token / head by head
@@ -156,12 +158,13 @@ def test_rows_gated_0_are_skipped_and_the_others_unchanged_bit_for_bit(op, H, Hk
     q, k, v = _qkv(3, H, Hkv, N, d)
     if contiguous:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gates = _gates(3, H, N).transpose(1, 2)  # [B, N, H], not contiguous: read through its strides
+    gates = _gates(3, N, H)
     full = op(q, k, v, d**-0.5)
     out = op(q, k, v, d**-0.5, gates)
     attended = (gates != 0).transpose(1, 2)  # [B, H, N], the output's layout
     assert torch.equal(out[attended], full[attended])
     assert (out[~attended] == 0).all() and not (full[~attended] == 0).all()
+    assert (out[0, 1] == 0).all() and (out[-1] == 0).all()  # a head, and an image, with no row attended
     assert out.transpose(1, 2).is_contiguous()
 
 
