@@ -1,6 +1,7 @@
 """The small-heads attention kernel (visattn/kernels/small_attention.cpp, visattn.attention.small_heads): equal to
-SDPA to float rounding, its limits named in its errors, and taken by a layer only in eval, where the probe timed it
-faster. No timing is asserted (docs/benchmarks.md has those)."""
+SDPA to float rounding, forward and backward, its limits named in its errors, and taken by a layer in eval where the
+probe timed it faster, in training only where the layer's run chose it (visattn.attention.train_paths). No timing
+is asserted (docs/benchmarks.md has those)."""
 
 import pytest
 import torch
@@ -200,3 +201,81 @@ def test_moh_in_eval_skips_unselected_rows_with_the_masked_dense_output(op, monk
             sdpa = layer(x)
     assert torch.equal(skipping, every_row)
     torch.testing.assert_close(skipping, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def _sdpa_grads(q, k, v, grad_out, scale):
+    """SDPA's output and gradients for q, k, v (the reference of the kernel's backward)."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(grad_out)
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize(
+    ("B", "H", "Hkv", "N", "M", "d"),
+    [(3, 8, 8, 17, 17, 12), (2, 8, 8, 49, 49, 8), (2, 6, 2, 9, 9, 32), (1, 2, 2, 1, 1, 1), (2, 3, 3, 64, 64, 5),
+     (2, 4, 4, 7, 20, 16), (0, 4, 4, 7, 7, 16)],
+)
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_backward_equals_sdpa(op, B, H, Hkv, N, M, d, contiguous):
+    q, k, v = _qkv(B, H, Hkv, N, d, M)
+    if contiguous:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    grad_out = torch.randn(B, N, H, d).transpose(1, 2)  # the merge's backward gives this layout
+    ref, *ref_grads = _sdpa_grads(q, k, v, grad_out, d**-0.5)
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = small_heads.SmallAttention.apply(qq, kk, vv, d**-0.5, None)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), ref_grads, strict=True):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32)])
+def test_backward_skips_the_rows_gated_0_exactly(op, H, Hkv, N, d):
+    """Where the heads are multiplied by the gates, a row gated 0 has no gradient: skipping it gives SDPA's
+    gradients of the gated output."""
+    q, k, v = _qkv(3, H, Hkv, N, d)
+    gates = _gates(3, N, H)
+    on = (gates != 0).transpose(1, 2).unsqueeze(-1)  # [B, H, N, 1]
+    grad_out = torch.randn(3, N, H, d).transpose(1, 2) * on
+    _, *ref_grads = _sdpa_grads(q, k, v, grad_out, d**-0.5)
+    dq, dk, dv = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, d**-0.5, gates)
+    assert (dq * ~on == 0).all() and (dq[0, 1] == 0).all() and (dk[-1] == 0).all() and (dv[-1] == 0).all()
+    for name, got, want in zip("qkv", (dq, dk, dv), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_backward_refuses_a_grad_of_another_shape(op):
+    q, k, v = _qkv(2, 4, 4, 10, 8)
+    with pytest.raises(RuntimeError, match="grad_out must be float32 shaped as q"):
+        torch.ops.visattn.small_attention_backward(torch.ones(2, 4, 9, 8), q, k, v, 0.3, None)
+
+
+@pytest.mark.parametrize(
+    ("kind", "budget"), [("mha", {}), ("moh", {"shared_heads": 1, "routed_topk": 1, "impl": "dense"})]
+)
+def test_a_layer_trains_on_the_kernel_only_where_its_run_chose_it(op, monkeypatch, kind, budget):
+    """train_attention="small_attention": forward and every gradient as on SDPA (MoH's rows gated 0 skipped both
+    ways); the default, and autocast, train on SDPA."""
+    torch.manual_seed(0)
+    sdpa, fast = (build_attention(kind, 48, num_heads=4, **budget) for _ in range(2))
+    fast.load_state_dict(sdpa.state_dict())
+    fast.train_attention = "small_attention"
+    calls = []
+    monkeypatch.setattr(small_heads, "small_attention_op", lambda: (lambda *a: calls.append(len(a)) or op(*a)))
+    x = torch.randn(3, 17, 48)
+    outs = []
+    for layer in (sdpa, fast):
+        out = layer.train()(x)
+        loss = out.square().mean() + (0.01 * layer.aux_loss if layer.aux_loss is not None else 0)
+        loss.backward()
+        outs.append(out)
+        assert len(calls) == (1 if layer is fast else 0)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(fast.named_parameters(), sdpa.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast(x).float().sum().backward()  # bf16: SDPA
+    assert len(calls) == 1

@@ -10,7 +10,7 @@ import torch.nn as nn
 import visattn.kernels as kernels
 from visattn.attention import apply_train_paths, build_attention, choose_train_paths
 from visattn.attention.moh import REFERENCE_PATH
-from visattn.attention.train_paths import KERNEL_PATH, probed_layers
+from visattn.attention.train_paths import KERNEL_PATH, attention_layers, probed_layers
 from visattn.engine.checkpoints import latest_checkpoint
 from visattn.engine.moh_paths import (
     BEFORE_RECORDS,
@@ -43,8 +43,9 @@ class Tiny(nn.Module):
 
 
 def scripted(times):
-    """A timer giving each path a fixed time (no run: the decision alone is tested)."""
-    return lambda path, run: times[path]
+    """A timer giving each option a fixed time (no run: the decision alone is tested); an option it does not name
+    (SDPA's reference, the small-heads kernel) takes 2.0, slower than any it names."""
+    return lambda path, run: times.get(path, 2.0)
 
 
 def test_probe_keeps_the_kernel_only_where_it_wins_by_the_margin(kernel):
@@ -52,7 +53,8 @@ def test_probe_keeps_the_kernel_only_where_it_wins_by_the_margin(kernel):
     assert list(probed_layers(model)) == ["a", "b"]
     faster = choose_train_paths(model, lambda: model(x), timer=scripted({REFERENCE_PATH: 1.0, KERNEL_PATH: 0.5}))
     assert faster["paths"] == {"a": KERNEL_PATH, "b": KERNEL_PATH}
-    assert faster["times_ms"]["a"] == {REFERENCE_PATH: 1000.0, KERNEL_PATH: 500.0}
+    assert faster["times_ms"]["a"] == {REFERENCE_PATH: 1000.0, SMALL: 2000.0, KERNEL_PATH: 500.0}
+    assert faster["attention"] == {}
     near = choose_train_paths(model, lambda: model(x), timer=scripted({REFERENCE_PATH: 1.0, KERNEL_PATH: 0.99}))
     assert near["paths"] == {"a": REFERENCE_PATH, "b": REFERENCE_PATH}  # within the 2% margin: masked dense
     named = Tiny(impl_b="dense")
@@ -61,13 +63,55 @@ def test_probe_keeps_the_kernel_only_where_it_wins_by_the_margin(kernel):
     assert record["paths"] == {"a": KERNEL_PATH}
 
 
+SMALL = "small_attention"
+
+
+class TinyMHA(nn.Module):
+    """Two MHA layers and one whose attention dropout keeps it on SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = build_attention("mha", 32, num_heads=8)
+        self.b = build_attention("mha", 32, num_heads=8)
+        self.dropped = build_attention("mha", 32, num_heads=8, attn_drop=0.1)
+
+    def forward(self, x):  # x: [B, N=7, C=32]
+        return self.dropped(self.b(self.a(x)))
+
+
+def test_the_probe_chooses_the_small_heads_kernel_per_layer_and_a_record_sets_it(kernel):
+    model, x = TinyMHA(), torch.randn(4, 7, 32)
+    assert list(attention_layers(model)) == ["a", "b"] and probed_layers(model) == {}
+    record = choose_train_paths(model, lambda: model(x), timer=scripted({"sdpa": 1.0, SMALL: 0.5}))
+    assert record["attention"] == {"a": SMALL, "b": SMALL} and record["paths"] == {}
+    assert record["times_ms"]["a"] == {"sdpa": 1000.0, SMALL: 500.0}
+    near = choose_train_paths(model, lambda: model(x), timer=scripted({"sdpa": 1.0, SMALL: 0.99}))
+    assert near["attention"] == {}  # within the margin: SDPA
+    apply_train_paths(model, record)
+    assert [m.train_attention for m in (model.a, model.b, model.dropped)] == [SMALL, SMALL, "sdpa"]
+    apply_train_paths(model, {"paths": {}})  # a record from before the field: SDPA, as those runs trained
+    assert model.a.train_attention == "sdpa"
+    moh = Tiny()  # a MoH layer weighs the three: the small kernel here, on the masked dense path
+    both = choose_train_paths(moh, lambda: moh(x), timer=scripted({REFERENCE_PATH: 1.0, SMALL: 0.5, KERNEL_PATH: 0.8}))
+    assert both["paths"] == {"a": REFERENCE_PATH, "b": REFERENCE_PATH} and both["attention"] == {"a": SMALL, "b": SMALL}
+    with pytest.raises(ValueError, match=r"no softmax attention layer for: \['c'\].*\['a', 'b'\]"):
+        apply_train_paths(model, {"attention": {"c": SMALL}})
+    with pytest.raises(ValueError, match=r"training attention of \['a'\] is not 'small_attention'"):
+        apply_train_paths(model, {"attention": {"a": "flash"}})
+    bf16 = choose_train_paths(model, lambda: model(x), lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                              timer=scripted({}))
+    assert bf16["times_ms"] == {}  # the kernel serves float32: nothing to time under bf16 autocast
+
+
 def test_the_probe_leaves_no_trace(kernel):
     model, x = Tiny().eval(), torch.randn(4, 7, 32)
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.random.get_rng_state()
-    record = choose_train_paths(model, lambda: model(x))  # the real timer: both paths run forward and backward
-    assert set(record["paths"]) == {"a", "b"} and set(record["times_ms"]["a"]) == {REFERENCE_PATH, KERNEL_PATH}
+    record = choose_train_paths(model, lambda: model(x))  # the real timer: every option runs forward and backward
+    assert set(record["paths"]) == {"a", "b"} and set(record["times_ms"]["a"]) == {REFERENCE_PATH, SMALL, KERNEL_PATH}
     assert not model.training and torch.equal(rng, torch.random.get_rng_state())
+    assert model.a.train_path == REFERENCE_PATH and model.a.train_attention == "sdpa"  # the settings as they were
     assert all(p.grad is None for p in model.parameters())
     for key, value in model.state_dict().items():
         assert torch.equal(value, buffers[key]), key  # batch-norm statistics included

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .fused_gating import GatedMerge, gated_merge_runs, gated_projection, gated_projection_runs
 from .routing import HeadRouter
-from .small_heads import small_attention, small_attention_runs
+from .small_heads import small_attention, small_attention_fits, small_attention_runs, small_attention_train
 from .tracing import autocast_enabled, keeps_stats
 
 
@@ -115,6 +115,9 @@ class HeadAttention(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         # softmax heads through ``sdpa``: a gated forward may then skip the rows whose gate is 0 (dense_forward)
         self.attends_by_sdpa = type(self).attend is HeadAttention.attend
+        # what ``sdpa`` trains on: "sdpa", or "small_attention" (the compiled kernel and its backward, where it
+        # runs), which only a run's start-up probe sets (visattn.attention.train_paths)
+        self.train_attention = "sdpa"
 
         if routed_topk is None and shared_heads is not None:
             raise ValueError(f"shared_heads={shared_heads} was given without routed_topk; give both to route heads")
@@ -187,10 +190,16 @@ class HeadAttention(nn.Module):
         q: [B, H, N, d], k/v: [B, H_kv, M, d] -> [B, H, N, d]. Small heads in eval may run in the compiled
         kernel instead, where the running machine computes them faster (``visattn.attention.small_heads``);
         it then skips the query rows whose ``row_gates`` [B, N, H] are 0 (their output is 0 there), which only
-        a caller that multiplies the heads by those gates may pass."""
+        a caller that multiplies the heads by those gates may pass. With gradients the kernel runs where
+        ``train_attention`` says so."""
         dropout_p = self.attn_drop.p if self.training else 0.0
-        if not torch.jit.is_scripting() and small_attention_runs(q, k, v, attn_mask, is_causal, dropout_p):
-            return small_attention(q, k, v, scale, row_gates)
+        if not torch.jit.is_scripting():
+            if small_attention_runs(q, k, v, attn_mask, is_causal, dropout_p):
+                return small_attention(q, k, v, scale, row_gates)
+            if self.train_attention == "small_attention" and small_attention_fits(
+                q, k, v, attn_mask, is_causal, dropout_p
+            ):
+                return small_attention_train(q, k, v, scale, row_gates)
         return F.scaled_dot_product_attention(
             q,
             k,

@@ -7,8 +7,13 @@ AMD EPYC core (Zen 3), half or more of an attention layer's time; the kernel too
 shape times both, interleaved, with the probe MoH's ``impl="auto"`` uses (``visattn.attention.impl_probe``:
 SDPA is the reference, kept unless the kernel is clearly faster), an instance of its own (``PROBE``: MoH's probe
 times this attention inside its paths, and a timer scripted for those paths in a test knows none of these), and
-the choice is kept per process (and on disk where opted in). Eval only (no backward), float32, no mask, not
-causal, no dropout, at most ``MAX_KEYS`` keys and ``MAX_WIDTH`` wide heads, eager on a CPU; SDPA elsewhere.
+the choice is kept per process (and on disk where opted in). Float32, no mask, not causal, no dropout, at most
+``MAX_KEYS`` keys and ``MAX_WIDTH`` wide heads, eager on a CPU; SDPA elsewhere.
+
+Training takes the kernel and its backward (``SmallAttention``) only in a layer whose ``train_attention`` a run's
+start-up probe set (``visattn.attention.train_paths``): the two differ in the last bits, so a run chooses once and
+keeps the choice, as it does MoH's training paths. Forward and backward together ran in 0.51x SDPA's time at the
+study classifier's size and 0.41x at the study DiT's (AMD EPYC Zen 3, 23rd session).
 """
 
 import torch
@@ -32,12 +37,23 @@ def small_attention_runs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
     dropout_p: float,
 ) -> bool:
-    """Whether ``small_attention`` may replace SDPA for these arguments (q: [B, H, N, d], k / v: [B, Hkv, M, d])."""
+    """Whether ``small_attention`` may replace SDPA for these arguments (q: [B, H, N, d], k / v: [B, Hkv, M, d]):
+    nothing to differentiate (``small_attention_fits`` with gradients)."""
+    if not small_attention_fits(q, k, v, attn_mask, is_causal, dropout_p):  # first: it says no to an fx Proxy
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+@torch.jit.unused
+def small_attention_fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+    dropout_p: float,
+) -> bool:
+    """Whether the kernel (built, and switched on) computes what SDPA would for these arguments, with or without
+    gradients."""
     if attn_mask is not None or is_causal or dropout_p != 0.0 or not eager_cpu(q):
         return False
     if any(t.dtype != torch.float32 or t.dim() != 4 or t.stride(-1) != 1 for t in (q, k, v)):
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     H, d, Hkv, M = q.shape[1], q.shape[-1], k.shape[1], k.shape[-2]
     return (
@@ -70,3 +86,36 @@ def small_attention(
     if choice.path == KERNEL and row_gates is not None and row_gates.dtype == torch.float32:
         return op(q, k, v, scale, row_gates)
     return runs[choice.path]()
+
+
+class SmallAttention(torch.autograd.Function):
+    """The kernel's attention with its backward (``small_attention_backward``): q [B, H, N, d], k / v [B, Hkv, M,
+    d], float32, ``scale``, ``row_gates`` [B, N, H] or None (as ``small_attention``: the rows gated 0 are neither
+    attended nor differentiated, so pass them only where the heads are then multiplied by these gates) ->
+    [B, H, N, d]. Once differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, row_gates):
+        ctx.save_for_backward(q, k, v, row_gates)
+        ctx.scale = scale
+        return small_attention_op()(q, k, v, scale, row_gates)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, row_gates = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        dq, dk, dv = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, ctx.scale, row_gates)
+        return dq, dk, dv, None, None
+
+
+@torch.jit.unused
+def small_attention_train(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, row_gates: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``SmallAttention`` (no probe: the layer's run chose it). Call only where ``small_attention_fits``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if row_gates is not None and row_gates.dtype != torch.float32:
+        row_gates = None
+    gates = None if row_gates is None else row_gates.detach()
+    return SmallAttention.apply(q, k, v, scale, gates)

@@ -1,8 +1,10 @@
-"""``train.attn_paths``: the path MoH layers with ``attn.impl=auto`` train on, the same for both tasks.
+"""``train.attn_paths``: the path MoH layers with ``attn.impl=auto`` train on, and the attention of every
+softmax layer (SDPA or the small-heads kernel), the same for both tasks.
 
-    dense  the masked dense path (the default): a run is reproducible bit for bit.
-    probe  at start, time each layer's training step on the masked dense path and on the compiled
-           kernel (``visattn.attention.train_paths``) and keep the faster per layer. Like
+    dense  the masked dense path and SDPA (the default): a run is reproducible bit for bit.
+    probe  at start, time each layer's training step on the masked dense path with SDPA, with the small-heads
+           kernel, and (MoH) on the compiled routed kernel (``visattn.attention.train_paths``) and keep the
+           fastest per layer. Like
            ``cudnn.benchmark``, two fresh runs may then choose differently and differ in the last
            bits; one run does not: every rank takes rank 0's choice, and results.json and every
            checkpoint keep it (``RECORD_KEY``), so a resumed run applies it again instead of probing.
@@ -19,6 +21,7 @@ import torch.nn as nn
 
 from visattn.attention.train_paths import (
     apply_train_paths,
+    attention_layers,
     choose_train_paths,
     describe,
     empty_record,
@@ -59,25 +62,26 @@ def settle_train_paths(
     saved: Mapping[str, Any] | None,
     compile: bool = False,
 ) -> dict[str, Any]:
-    """Apply ``train.attn_paths`` (``setting``) to every MoH ``impl="auto"`` layer of ``model`` and return
-    the record: under ``probe``, ``saved`` (a resumed run's) as it is, else rank 0's
-    ``choose_train_paths(model, forward, autocast)``, or the masked dense path everywhere with ``compile``
-    (the compiled graph would break at the kernel); under ``dense``, the masked dense path. Call
-    before wrapping the model in DDP or compiling it."""
+    """Apply ``train.attn_paths`` (``setting``) to every MoH ``impl="auto"`` layer and softmax attention layer
+    of ``model`` and return the record: under ``probe``, ``saved`` (a resumed run's) as it is, else rank 0's
+    ``choose_train_paths(model, forward, autocast)``, or the masked dense path and SDPA everywhere with
+    ``compile`` (the compiled graph would break at the kernels); under ``dense``, the masked dense path and
+    SDPA. Call before wrapping the model in DDP or compiling it."""
     if check_attn_paths(setting) == "dense":
         record = empty_record("train.attn_paths=dense")
     elif saved is not None:
         record = dict(saved)
-        known = probed_layers(model)
-        dropped = sorted(set(record.get("paths") or {}) - set(known))
-        if dropped:  # force_resume with another attn.impl: those layers now take the path impl names
-            log.warning("the saved training paths name layers that no longer probe (%s); ignoring them", dropped)
-            record["paths"] = {k: v for k, v in record["paths"].items() if k in known}
+        for field, known in (("paths", probed_layers(model)), ("attention", attention_layers(model))):
+            dropped = sorted(set(record.get(field) or {}) - set(known))
+            if dropped:  # force_resume with another attn.impl: those layers now take what impl names
+                log.warning("the saved training %s name layers that no longer probe (%s); ignoring them", field,
+                            dropped)
+                record[field] = {k: v for k, v in record[field].items() if k in known}
     elif compile:
         record = empty_record("train.compile: masked dense, in the compiled graph")
     else:
         record = broadcast_object(choose_train_paths(model, forward, autocast))
     apply_train_paths(model, record)
-    if probed_layers(model) and setting == "probe":
-        log.info("MoH training paths: %s%s", describe(record), " (as the run chose at its start)" if saved else "")
+    if (probed_layers(model) or attention_layers(model)) and setting == "probe":
+        log.info("Training paths: %s%s", describe(record), " (as the run chose at its start)" if saved else "")
     return record

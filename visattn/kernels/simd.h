@@ -15,12 +15,16 @@
 // "avx2" alone does not enable FMA: until the 16th session every AVX2 CPU ran these loops' multiply-adds as a
 // multiply and an add (half the rate, twice the latency; small_gemm at 28% of the FMA peak on a Zen 3).
 #define VISATTN_SIMD_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "avx2", "default")))
+// Two clones, for loops written in 8-lane vectors (lanes8_t) whose templates are many: an AVX-512 CPU runs the
+// x86-64-v3 one. Four clones of small_attention's backward took over 7 minutes to compile on a 2-core machine.
+#define VISATTN_SIMD_CLONES_V3 __attribute__((target_clones("arch=x86-64-v3", "default")))
 // For code written for AVX-512 registers alone (fused_attention.h, row_gemm.h): call it only where
 // avx512_runs().
 #define VISATTN_AVX512 __attribute__((target("avx512f,fma")))
 #define VISATTN_HAS_AVX512_CODE 1
 #else
 #define VISATTN_SIMD_CLONES
+#define VISATTN_SIMD_CLONES_V3
 #define VISATTN_HAS_AVX512_CODE 0
 #endif
 #define VISATTN_INLINE __attribute__((always_inline)) inline

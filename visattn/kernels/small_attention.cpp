@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -36,13 +37,13 @@ inline int64_t blocks(int64_t n) { return (n + W - 1) / W; }
 // past the keys 0): s[r][0 .. 8 NB) = q[r] . kt[:, j]. RQ * NB independent multiply-add chains; the keys are
 // loaded as they are used, so the accumulators, the key and the queries fit AVX2's 16 registers.
 template <int NB, int RQ>
-VISATTN_INLINE void rows_scores(const float* q, int64_t d, const float* kt, float* s) {
+VISATTN_INLINE void rows_scores_ld(const float* q, int64_t ldq, int64_t d, const float* kt, float* s) {
   lanes8_t acc[RQ][NB];
   UNROLL for (int r = 0; r < RQ; ++r)
     UNROLL for (int j = 0; j < NB; ++j) acc[r][j] = lanes8_t{};
   for (int64_t c = 0; c < d; ++c) {
     float qc[RQ];
-    UNROLL for (int r = 0; r < RQ; ++r) qc[r] = q[r * d + c];
+    UNROLL for (int r = 0; r < RQ; ++r) qc[r] = q[r * ldq + c];
     UNROLL for (int j = 0; j < NB; ++j) {
       lanes8_t kv;
       std::memcpy(&kv, kt + c * NB * W + j * W, sizeof(lanes8_t));
@@ -52,6 +53,10 @@ VISATTN_INLINE void rows_scores(const float* q, int64_t d, const float* kt, floa
   UNROLL for (int r = 0; r < RQ; ++r)
     UNROLL for (int j = 0; j < NB; ++j)
       std::memcpy(s + (r * NB + j) * W, &acc[r][j], sizeof(lanes8_t));
+}
+template <int NB, int RQ>
+VISATTN_INLINE void rows_scores(const float* q, int64_t d, const float* kt, float* s) {
+  rows_scores_ld<NB, RQ>(q, d, d, kt, s);
 }
 
 // o[r][0 .. 8 DB) = sum_{n < M} p[r][n] * vp[n] for RQ rows of probabilities p (8 NB apart) and the packed
@@ -275,13 +280,8 @@ VISATTN_SIMD_CLONES void attend_one_image(const Args& a, int64_t b, Scratch& scr
   }
 }
 
-// softmax(q k^T * scale) v per (image, head). q: [B, H, N, d], k / v: [B, Hkv, M, d] (H a multiple of Hkv; any
-// strides with the width contiguous), float32, M <= 64, d <= 32; gates: [B, N, H] float32 (any strides) or none:
-// where a gate is 0 the query row is not attended and its output is 0 (MoH's unselected heads, whose output the
-// gate zeroes anyway). -> [B, H, N, d], a view of a [B, N, H, d] tensor (the merged heads). The other rows are
-// equal bit for bit to what they are without gates.
-at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                           const std::optional<at::Tensor>& gates) {
+// The arguments of small_attention and its backward, checked.
+void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& gates) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "small_attention: q, k, v must be [B, H, N, d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "small_attention: float32 only");
@@ -293,18 +293,34 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               kMaxKeys, " and 1 <= head width <= ", kMaxWidth, ", got ", M, " and ", d);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "small_attention: the head width must be contiguous in q, k and v");
-  const bool gated = gates.has_value();
-  if (gated)
+  if (gates.has_value())
     TORCH_CHECK(gates->dim() == 3 && gates->size(0) == B && gates->size(1) == N && gates->size(2) == H &&
                     gates->scalar_type() == at::kFloat,
                 "small_attention: gates must be float32 [B, N, H] = [", B, ", ", N, ", ", H, "], got ",
                 gates->scalar_type(), " ", gates->sizes());
+}
+
+Args forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                  const std::optional<at::Tensor>& gates, float* out) {
+  const bool gated = gates.has_value();
+  return Args{q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), q.data_ptr<float>(), k.data_ptr<float>(),
+              v.data_ptr<float>(), {q.stride(0), q.stride(1), q.stride(2)},
+              {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
+              static_cast<float>(scale), out, gated ? gates->data_ptr<float>() : nullptr,
+              {gated ? gates->stride(0) : 0, gated ? gates->stride(1) : 0, gated ? gates->stride(2) : 0}};
+}
+
+// softmax(q k^T * scale) v per (image, head). q: [B, H, N, d], k / v: [B, Hkv, M, d] (H a multiple of Hkv; any
+// strides with the width contiguous), float32, M <= 64, d <= 32; gates: [B, N, H] float32 (any strides) or none:
+// where a gate is 0 the query row is not attended and its output is 0 (MoH's unselected heads, whose output the
+// gate zeroes anyway). -> [B, H, N, d], a view of a [B, N, H, d] tensor (the merged heads). The other rows are
+// equal bit for bit to what they are without gates.
+at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                           const std::optional<at::Tensor>& gates) {
+  check_args(q, k, v, gates);
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
   at::Tensor out = at::empty({B, N, H, d}, q.options());
-  const Args a{H, Hkv, N, M, d, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-               {q.stride(0), q.stride(1), q.stride(2)},
-               {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
-               static_cast<float>(scale), out.data_ptr<float>(), gated ? gates->data_ptr<float>() : nullptr,
-               {gated ? gates->stride(0) : 0, gated ? gates->stride(1) : 0, gated ? gates->stride(2) : 0}};
+  const Args a = forward_args(q, k, v, scale, gates, out.data_ptr<float>());
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     Scratch scratch;
     for (int64_t b = b0; b < b1; ++b) attend_one_image(a, b, scratch);
@@ -312,9 +328,212 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out.transpose(1, 2);
 }
 
+// ---- The backward (training) ----
+// Per (image, head), for the rows attended in the forward: the scores and probabilities p recomputed, dp = dO V^T,
+// ds = p (dp - sum_j p_j dp_j) (sum_j p_j dp_j = dO . O, without reading O), dq = scale ds K, dK += ds^T (q scale),
+// dV += p^T dO. A row gated 0 was written 0 in the forward and has no gradient (its dO is 0 too where the gates
+// multiplied the heads, so skipping it changes nothing).
+
+struct BackArgs {
+  Args f;                          // the forward's arguments (out unused)
+  const float* go;                 // dO: [B, H, N, d] with strides gos over (image, head, token)
+  int64_t gos[3];
+  float *dq, *dk, *dv;             // [B, N, H, d], [B, M, Hkv, d], [B, M, Hkv, d]
+};
+
+// acc[r][0 .. 8 DB) += sum_{i < count} a[i][j0 + r] * x[i] (r < RK) and likewise for b and y: two sums of outer
+// products over the rows, the rows of a / b lda apart, of x / y 8 DB apart (padded rows).
+template <int DB, int RK>
+VISATTN_INLINE void outer_sums(int64_t j0, int64_t count, const float* a, const float* b, int64_t lda,
+                               const float* x, const float* y, float* da, float* db) {
+  lanes8_t acc_a[RK][DB], acc_b[RK][DB];
+  UNROLL for (int r = 0; r < RK; ++r)
+    UNROLL for (int c = 0; c < DB; ++c) {
+      std::memcpy(&acc_a[r][c], da + (j0 + r) * DB * W + c * W, sizeof(lanes8_t));
+      std::memcpy(&acc_b[r][c], db + (j0 + r) * DB * W + c * W, sizeof(lanes8_t));
+    }
+  for (int64_t i = 0; i < count; ++i) {
+    lanes8_t xv[DB], yv[DB];
+    UNROLL for (int c = 0; c < DB; ++c) {
+      std::memcpy(&xv[c], x + i * DB * W + c * W, sizeof(lanes8_t));
+      std::memcpy(&yv[c], y + i * DB * W + c * W, sizeof(lanes8_t));
+    }
+    UNROLL for (int r = 0; r < RK; ++r) {
+      const float ar = a[i * lda + j0 + r], br = b[i * lda + j0 + r];
+      UNROLL for (int c = 0; c < DB; ++c) {
+        acc_a[r][c] += ar * xv[c];
+        acc_b[r][c] += br * yv[c];
+      }
+    }
+  }
+  UNROLL for (int r = 0; r < RK; ++r)
+    UNROLL for (int c = 0; c < DB; ++c) {
+      std::memcpy(da + (j0 + r) * DB * W + c * W, &acc_a[r][c], sizeof(lanes8_t));
+      std::memcpy(db + (j0 + r) * DB * W + c * W, &acc_b[r][c], sizeof(lanes8_t));
+    }
+}
+
+struct BackScratch {
+  std::vector<float> f;
+  std::vector<int64_t> rows;
+};
+
+template <int NB, int DB>
+VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& scratch) {
+  const Args& a = ba.f;
+  const int64_t d = a.d, M = a.M, N = a.N, H = a.H, Hkv = a.Hkv, group = H / Hkv;
+  const int64_t N4 = (N + kRows - 1) / kRows * kRows, L = NB * W, R = DB * W;
+  const int64_t kv_size = 2 * d * L + M * R;  // per key/value head: K^T [d][L], V^T [d][L], K [M][R]
+  const size_t size = Hkv * kv_size + 2 * Hkv * M * R + 2 * N4 * R + 2 * N4 * L + 2 * L + kRows * (L + R) +
+                      N * H * d;
+  const bool fresh = scratch.f.size() != size;
+  if (fresh) {
+    scratch.f.assign(size, 0.f);
+    scratch.rows.assign(H * (N + 1), 0);
+  }
+  float *kv = scratch.f.data(), *dkv = kv + Hkv * kv_size, *qg = dkv + 2 * Hkv * M * R, *gg = qg + N4 * R;
+  float *P = gg + N4 * R, *DS = P + N4 * L, *keep = DS + N4 * L, *below = keep + L, *dp = below + L;
+  float *o = dp + kRows * L, *dqb = o + kRows * R;
+  if (fresh)
+    for (int64_t n = 0; n < L; ++n) {
+      keep[n] = n < M ? 1.f : 0.f;
+      below[n] = n < M ? 0.f : -3.0e38f;
+    }
+  int64_t *idx = scratch.rows.data(), *counts = idx + H * N;
+  std::fill(counts, counts + H, 0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      if (a.gates != nullptr && a.gates[b * a.gs[0] + i * a.gs[1] + h * a.gs[2]] == 0.f)
+        std::fill(dqb + (i * H + h) * d, dqb + (i * H + h + 1) * d, 0.f);
+      else
+        idx[h * N + counts[h]++] = i;
+    }
+  std::fill(dkv, dkv + 2 * Hkv * M * R, 0.f);
+  const float *kb = a.k + b * a.ks[0], *vb = a.v + b * a.vs[0], *qb = a.q + b * a.qs[0], *gb = ba.go + b * ba.gos[0];
+  for (int64_t g = 0; g < Hkv; ++g) {
+    float *kt = kv + g * kv_size, *vt = kt + d * L, *kp = vt + d * L;
+    for (int64_t n = 0; n < M; ++n) {
+      const float *kr = kb + n * a.ks[2] + g * a.ks[1], *vr = vb + n * a.vs[2] + g * a.vs[1];
+      for (int64_t c = 0; c < d; ++c) {
+        kt[c * L + n] = kr[c];
+        vt[c * L + n] = vr[c];
+        kp[n * R + c] = kr[c];
+      }
+    }
+  }
+  constexpr int RQS = NB <= 2 ? 4 : (NB <= 6 ? 2 : 1), RQV = DB <= 2 ? 4 : 2;
+  constexpr int RK = DB == 1 ? 4 : (DB == 2 ? 2 : 1);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t count = counts[h], count4 = (count + kRows - 1) / kRows * kRows;
+    if (count == 0) continue;
+    const int64_t g = h / group;
+    const float *kt = kv + g * kv_size, *vt = kt + d * L, *kp = vt + d * L;
+    float *dk = dkv + g * M * R, *dv = dkv + (Hkv + g) * M * R;
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t i = idx[h * N + r];
+      const float *qr = qb + i * a.qs[2] + h * a.qs[1], *gr = gb + i * ba.gos[2] + h * ba.gos[1];
+      for (int64_t c = 0; c < d; ++c) {
+        qg[r * R + c] = qr[c] * a.scale;
+        gg[r * R + c] = gr[c];
+      }
+    }
+    std::fill(qg + count * R, qg + count4 * R, 0.f);
+    std::fill(gg + count * R, gg + count4 * R, 0.f);
+    for (int64_t i0 = 0; i0 < count; i0 += kRows) {
+      float *s = P + i0 * L, *ds = DS + i0 * L;
+      UNROLL for (int r = 0; r < kRows; r += RQS) {
+        rows_scores_ld<NB, RQS>(qg + (i0 + r) * R, R, d, kt, s + r * L);
+        rows_scores_ld<NB, RQS>(gg + (i0 + r) * R, R, d, vt, dp + r * L);
+      }
+      UNROLL for (int r = 0; r < kRows; ++r) {
+        const float norm = row_softmax<NB>(s + r * L, keep, below);
+        lanes8_t pv[NB], dpv[NB], dot{};
+        UNROLL for (int j = 0; j < NB; ++j) {
+          std::memcpy(&pv[j], s + r * L + j * W, sizeof(lanes8_t));
+          std::memcpy(&dpv[j], dp + r * L + j * W, sizeof(lanes8_t));
+          pv[j] *= norm;
+          dot += pv[j] * dpv[j];
+        }
+        const float D = lane_sum(dot)[0];
+        UNROLL for (int j = 0; j < NB; ++j) {
+          const lanes8_t dsv = pv[j] * (dpv[j] - D);
+          std::memcpy(s + r * L + j * W, &pv[j], sizeof(lanes8_t));
+          std::memcpy(ds + r * L + j * W, &dsv, sizeof(lanes8_t));
+        }
+      }
+      UNROLL for (int r = 0; r < kRows; r += RQV) rows_values<NB, DB, RQV>(ds + r * L, M, kp, o + r * R);
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, count - i0));
+      for (int r = 0; r < rows; ++r) {
+        float* dst = dqb + (idx[h * N + i0 + r] * H + h) * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] = o[r * R + c] * a.scale;
+      }
+    }
+    int64_t j0 = 0;
+    for (; j0 + RK <= M; j0 += RK) outer_sums<DB, RK>(j0, count, DS, P, L, qg, gg, dk, dv);
+    for (; j0 < M; ++j0) outer_sums<DB, 1>(j0, count, DS, P, L, qg, gg, dk, dv);
+  }
+  std::memcpy(ba.dq + b * N * H * d, dqb, N * H * d * sizeof(float));
+  float *dko = ba.dk + b * M * Hkv * d, *dvo = ba.dv + b * M * Hkv * d;
+  for (int64_t n = 0; n < M; ++n)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      std::memcpy(dko + (n * Hkv + g) * d, dkv + (g * M + n) * R, d * sizeof(float));
+      std::memcpy(dvo + (n * Hkv + g) * d, dkv + ((Hkv + g) * M + n) * R, d * sizeof(float));
+    }
+}
+
+// The backward's templates are fewer than the forward's (the build's time): the width in 1, 2 or 4 vectors and the
+// keys in 1-4, 6 or 8 (padded lanes are masked as past the keys), and two clones.
+template <int NB>
+VISATTN_INLINE void backward_image_db(const BackArgs& a, int64_t b, BackScratch& scratch) {
+  switch (blocks(a.f.d)) {
+    case 1: return backward_image<NB, 1>(a, b, scratch);
+    case 2: return backward_image<NB, 2>(a, b, scratch);
+    default: return backward_image<NB, 4>(a, b, scratch);
+  }
+}
+
+VISATTN_SIMD_CLONES_V3 void backward_one_image(const BackArgs& a, int64_t b, BackScratch& scratch) {
+  switch (blocks(a.f.M)) {
+    case 1: return backward_image_db<1>(a, b, scratch);
+    case 2: return backward_image_db<2>(a, b, scratch);
+    case 3: return backward_image_db<3>(a, b, scratch);
+    case 4: return backward_image_db<4>(a, b, scratch);
+    case 5:
+    case 6: return backward_image_db<6>(a, b, scratch);
+    default: return backward_image_db<8>(a, b, scratch);
+  }
+}
+
+// small_attention's backward: grad_out [B, H, N, d] (any strides, the width contiguous) and the forward's q, k, v,
+// scale and gates -> (dq [B, H, N, d] (a view of [B, N, H, d]), dk and dv [B, Hkv, M, d] (views of [B, M, Hkv,
+// d])). Rows whose gate is 0 get dq = 0 and add nothing to dk and dv.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> small_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+    const std::optional<at::Tensor>& gates) {
+  check_args(q, k, v, gates);
+  TORCH_CHECK(grad_out.sizes() == q.sizes() && grad_out.scalar_type() == at::kFloat && grad_out.stride(3) == 1,
+              "small_attention_backward: grad_out must be float32 shaped as q, the width contiguous");
+  const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3), Hkv = k.size(1), M = k.size(2);
+  at::Tensor dq = at::empty({B, N, H, d}, q.options()), dk = at::empty({B, M, Hkv, d}, q.options());
+  at::Tensor dv = at::empty({B, M, Hkv, d}, q.options());
+  const BackArgs ba{forward_args(q, k, v, scale, gates, nullptr), grad_out.data_ptr<float>(),
+                    {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)}, dq.data_ptr<float>(),
+                    dk.data_ptr<float>(), dv.data_ptr<float>()};
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    BackScratch scratch;
+    for (int64_t b = b0; b < b1; ++b) backward_one_image(ba, b, scratch);
+  });
+  return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
   m.def("small_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None) -> Tensor");
+  m.def("small_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None) "
+        "-> (Tensor, Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(visattn, CPU, m) { m.impl("small_attention", &small_attention); }
+TORCH_LIBRARY_IMPL(visattn, CPU, m) {
+  m.impl("small_attention", &small_attention);
+  m.impl("small_attention_backward", &small_attention_backward);
+}
