@@ -434,7 +434,8 @@ def test_record_of_fixed_and_plain_layers():
     assert (
         first["path"] == "sparse_projections" and first["choices"]["[2, 9, 32] float32"]["source"] == "fixed"
     )
-    assert second == {"layer": "1", "impl": None, "path": "dense", "choices": {}}
+    assert second == {"layer": "1", "impl": None, "path": "dense", "choices": {}, "train_attention": "sdpa"}
+    assert first["train_attention"] == "sdpa"  # what a run's probe may change (visattn.attention.train_paths)
 
 
 def test_paths_bench_prints_every_path_and_auto_s_choice(tmp_path, capsys):

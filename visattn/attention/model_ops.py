@@ -62,7 +62,9 @@ def impl_choices(model: nn.Module) -> dict[str, Any]:
     dtype seen: the path, the device it was chosen on, ``source``, the probe's best times in ms and each
     path's time over the masked dense one's, the median of the probe's rounds)
     and, for MoH layers, ``train_path`` (what training takes: the named path, or under ``auto`` the
-    layer's ``train_path``). Only eval forwards of ``impl="auto"`` layers probe; call it after evaluation."""
+    layer's ``train_path``); ``train_attention`` (``sdpa`` or ``small_attention``, what a softmax layer's attention
+    trains on; None for other layers). Only eval forwards of ``impl="auto"`` layers probe; call it after
+    evaluation."""
     param = next(model.parameters(), None)
     devices = [device_name("cpu")]
     if param is not None and param.device.type != "cpu":
@@ -70,13 +72,15 @@ def impl_choices(model: nn.Module) -> dict[str, Any]:
     layers = []
     for name, module in attention_modules(model):
         path_log = getattr(module, "path_log", None)
+        train_attention = getattr(module, "train_attention", None)
         if path_log is None:
-            layers.append({"layer": name, "impl": getattr(module, "impl", None), "path": "dense", "choices": {}})
+            layers.append({"layer": name, "impl": getattr(module, "impl", None), "path": "dense", "choices": {},
+                           "train_attention": train_attention})
             continue
         last = module.last_path or (module.fixed_path or "masked_dense")
         choices = {key: choice.record() for key, choice in path_log.items()}
         layers.append({"layer": name, "impl": module.impl, "path": last, "choices": choices,
-                       "train_path": module.fixed_path or module.train_path})
+                       "train_path": module.fixed_path or module.train_path, "train_attention": train_attention})
     return {"device": " + ".join(devices), "layers": layers}
 
 

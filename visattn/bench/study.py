@@ -119,7 +119,7 @@ def run_study_bench(
 ) -> list[dict[str, Any]]:
     """Rows as ``measure_cases`` gives them plus ``preset`` (``study-<task>``), ``infer_images_per_s``,
     ``train_images_per_s``, ``paths`` (per attention layer, the path its inference took) and
-    ``train_paths`` (the path it trained on); the
+    ``train_paths`` (the path it trained on), ``train_attention`` (per layer, SDPA or the small-heads kernel); the
     first cell of ``cells`` is the reference of the ratios. ``compare_kernels``: each cell also as
     ``<cell> pytorch``, the same model with ``visattn.kernels`` switched off, in the same rounds (the
     reference too: its small heads may run the kernels' attention, ``visattn.attention.small_heads``).
@@ -155,5 +155,6 @@ def run_study_bench(
                 layers = impl_choices(work.module)["layers"]  # and trained on (train.attn_paths=probe chooses)
                 row["paths"] = [layer["path"] for layer in layers]
                 row["train_paths"] = [layer.get("train_path", "dense") for layer in layers]
+                row["train_attention"] = [layer["train_attention"] for layer in layers]
             rows.append({"preset": f"study-{task}", **row})
     return rows
