@@ -23,9 +23,10 @@
   columns, float32, in the loops of ``small_gemm``), where it beats ``F.linear`` on the running machine;
   ``moh_router_gates_op()``: those logits and ``moh_gates``' pass in one op, per block of tokens, for
   inference (``routing.router_gates``).
-- ``small_attention_op()``: softmax attention for small heads and short sequences (float32, inference;
+- ``small_attention_op()``: softmax attention for small heads and short sequences (float32;
   ``small_attention.cpp``), which ``HeadAttention.sdpa`` takes over SDPA's where a probe on the running
-  machine finds it faster (``visattn.attention.small_heads``).
+  machine finds it faster (``visattn.attention.small_heads``), with its backward (``small_attention_backward``)
+  in training where a run's probe chose it (``visattn.attention.train_paths``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python
@@ -178,8 +179,8 @@ def moh_router_gates_op() -> Callable | None:
 
 def small_attention_op() -> Callable | None:
     """``torch.ops.visattn.small_attention`` (q [B, H, N, d], k / v [B, Hkv, M, d], float32, M <= 64 keys, d <= 32
-    wide -> the attention, [B, H, N, d] over a [B, N, H, d] buffer; no backward) where the kernels load, else None
-    (as ``moh_routing_op``)."""
+    wide -> the attention, [B, H, N, d] over a [B, N, H, d] buffer; its backward is
+    ``torch.ops.visattn.small_attention_backward``) where the kernels load, else None (as ``moh_routing_op``)."""
     return None if _OFF.get() or not _load() else torch.ops.visattn.small_attention
 
 

@@ -1,5 +1,5 @@
-// Softmax attention for small heads (float32, inference): rows of queries in vector registers against the
-// (image, key/value head)'s keys and values packed once into L1-sized buffers, written in the merged
+// Softmax attention for small heads (float32), forward and backward: rows of queries in vector registers against
+// the (image, key/value head)'s keys and values packed once into L1-sized buffers, written in the merged
 // [B, N, H, d] layout the output projection reads.
 //
 // Why not SDPA: at the study's sizes (8-12 wide heads, 17-49 tokens, a few thousand (image, head) pairs) its
@@ -169,6 +169,25 @@ VISATTN_INLINE void attend_rows(const Args& a, int64_t h, int64_t i0, int64_t co
   }
 }
 
+// gather(h, row) for every attended row of every head (row `row` of head h is query token idx[h N + row], rows in
+// token order, counts[h] of them), token by token where a token's heads lie side by side (`by_token`), else head by
+// head: the order the rows lie in memory. filled: scratch of H.
+template <typename Gather>
+VISATTN_INLINE void each_row_in_memory_order(bool by_token, int64_t N, int64_t H, const int64_t* idx,
+                                             const int64_t* counts, int64_t* filled, Gather&& gather) {
+  if (by_token) {
+    std::fill(filled, filled + H, 0);
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        int64_t& row = filled[h];
+        if (row < counts[h] && idx[h * N + row] == i) gather(h, row++);
+      }
+  } else {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t row = 0; row < counts[h]; ++row) gather(h, row);
+  }
+}
+
 // A thread's buffers, sized (and zeroed) on its first image only: every image overwrites the keys' and values'
 // first M rows and d columns, so their padding stays 0.
 struct Scratch {
@@ -234,16 +253,7 @@ VISATTN_INLINE void attend_image(const Args& a, int64_t b, Scratch& scratch) {
       for (int64_t g = 0; g < Hkv; ++g)
         for (int64_t n = 0; n < M; ++n) pack(n, g);
     }
-    if (a.qs[1] <= a.qs[2]) {
-      for (int64_t i = 0; i < N; ++i)
-        for (int64_t h = 0; h < H; ++h) {
-          int64_t& row = filled[h];
-          if (row < counts[h] && idx[h * N + row] == i) gather(h, row++);
-        }
-    } else {
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t row = 0; row < counts[h]; ++row) gather(h, row);
-    }
+    each_row_in_memory_order(a.qs[1] <= a.qs[2], N, H, idx, counts, filled, gather);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t count = counts[h], count4 = (count + kRows - 1) / kRows * kRows;
       float* qh = qg + h * N4 * d;
@@ -432,16 +442,7 @@ VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& s
       gd[c] = gr[c];
     }
   };
-  if (a.qs[1] <= a.qs[2]) {
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t h = 0; h < H; ++h) {
-        int64_t& row = filled[h];
-        if (row < counts[h] && idx[h * N + row] == i) gather(h, row++);
-      }
-  } else {
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t row = 0; row < counts[h]; ++row) gather(h, row);
-  }
+  each_row_in_memory_order(a.qs[1] <= a.qs[2], N, H, idx, counts, filled, gather);
   constexpr int RQS = NB <= 2 ? 4 : (NB <= 6 ? 2 : 1), RQV = DB <= 2 ? 4 : 2;
   constexpr int RK = DB == 1 ? 4 : (DB == 2 ? 2 : 1);
   for (int64_t h = 0; h < H; ++h) {
