@@ -83,6 +83,8 @@ class TinyMHA(nn.Module):
 def test_the_probe_chooses_the_small_heads_kernel_per_layer_and_a_record_sets_it(kernel):
     model, x = TinyMHA(), torch.randn(4, 7, 32)
     assert list(attention_layers(model)) == ["a", "b"] and probed_layers(model) == {}
+    named = nn.ModuleDict({"dense": Tiny(impl_b="dense").b, "own": Tiny(impl_b="sparse_projections").b})
+    assert list(attention_layers(named)) == ["dense"]  # a path of its own does not train through sdpa
     record = choose_train_paths(model, lambda: model(x), timer=scripted({"sdpa": 1.0, SMALL: 0.5}))
     assert record["attention"] == {"a": SMALL, "b": SMALL} and record["paths"] == {}
     assert record["times_ms"]["a"] == {"sdpa": 1000.0, SMALL: 500.0}

@@ -12,8 +12,8 @@ the choice is kept per process (and on disk where opted in). Float32, no mask, n
 
 Training takes the kernel and its backward (``SmallAttention``) only in a layer whose ``train_attention`` a run's
 start-up probe set (``visattn.attention.train_paths``): the two differ in the last bits, so a run chooses once and
-keeps the choice, as it does MoH's training paths. Forward and backward together ran in 0.51x SDPA's time at the
-study classifier's size and 0.41x at the study DiT's (AMD EPYC Zen 3, 23rd session).
+keeps the choice, as it does MoH's training paths. Forward and backward together ran in 0.52x SDPA's time at the
+study classifier's and the study DiT's sizes (AMD EPYC Zen 3, 23rd session; docs/benchmarks.md).
 """
 
 import torch

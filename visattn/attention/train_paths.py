@@ -55,9 +55,11 @@ def probed_layers(model: nn.Module) -> dict[str, MoHAttention]:
 
 def attention_layers(model: nn.Module) -> dict[str, HeadAttention]:
     """The layers of ``model`` whose attention may train on the small-heads kernel: every ``HeadAttention`` that
-    attends through ``sdpa``, without attention dropout (which the kernel does not apply)."""
+    trains through ``sdpa`` (not a MoH layer whose ``impl`` names a path of its own), without attention dropout
+    (which the kernel does not apply)."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, HeadAttention) and m.attends_by_sdpa and m.attn_drop.p == 0.0}
+            if isinstance(m, HeadAttention) and m.attends_by_sdpa and m.attn_drop.p == 0.0
+            and getattr(m, "fixed_path", None) in (None, REFERENCE_PATH)}
 
 
 def empty_record(reason: str) -> dict[str, Any]:
