@@ -193,13 +193,13 @@ def test_moh_in_eval_skips_unselected_rows_with_the_masked_dense_output(op, monk
     monkeypatch.setattr(small_heads, "PROBE", ImplProbe(timer=FixedTimes({"sdpa": 1.0, "small_attention": 0.5})))
     with torch.no_grad():
         skipping = layer(x)
-        assert calls[-1] == 5  # the gates were passed
+        assert calls[-1] == 6  # the gates were passed, to skip rows and gate the others
         layer.attends_by_sdpa = False  # every row attended, then gated
         every_row = layer(x)
         assert calls[-1] == 4
         with kernels.disabled():
             sdpa = layer(x)
-    assert torch.equal(skipping, every_row)
+    torch.testing.assert_close(skipping, every_row, rtol=1e-6, atol=1e-6)  # one projection GEMM or another
     torch.testing.assert_close(skipping, sdpa, rtol=1e-5, atol=1e-5)
 
 
@@ -224,7 +224,7 @@ def test_backward_equals_sdpa(op, B, H, Hkv, N, M, d, contiguous):
     grad_out = torch.randn(B, N, H, d).transpose(1, 2)  # the merge's backward gives this layout
     ref, *ref_grads = _sdpa_grads(q, k, v, grad_out, d**-0.5)
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-    out = small_heads.SmallAttention.apply(qq, kk, vv, d**-0.5, None)
+    out = small_heads.SmallAttention.apply(qq, kk, vv, d**-0.5, None, False)
     out.backward(grad_out)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for name, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), ref_grads, strict=True):
@@ -241,9 +241,46 @@ def test_backward_skips_the_rows_gated_0_exactly(op, H, Hkv, N, d):
     on = (gates != 0).transpose(1, 2).unsqueeze(-1)  # [B, H, N, 1]
     grad_out = torch.randn(3, N, H, d).transpose(1, 2) * on
     _, *ref_grads = _sdpa_grads(q, k, v, grad_out, d**-0.5)
-    dq, dk, dv = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, d**-0.5, gates)
+    dq, dk, dv, dgates = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, d**-0.5, gates)
+    assert dgates.numel() == 0  # without scale_rows the gates only select rows
     assert (dq * ~on == 0).all() and (dq[0, 1] == 0).all() and (dk[-1] == 0).all() and (dv[-1] == 0).all()
     for name, got, want in zip("qkv", (dq, dk, dv), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32), (4, 4, 49, 8)])
+def test_scaled_rows_are_the_gated_heads_bit_for_bit(op, H, Hkv, N, d, contiguous):
+    """scale_rows: each row multiplied by its gate as it is written, the product a gated merge takes after."""
+    q, k, v = _qkv(3, H, Hkv, N, d)
+    if contiguous:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gates = _gates(3, N, H)
+    scaled = op(q, k, v, d**-0.5, gates, True)
+    assert torch.equal(scaled, op(q, k, v, d**-0.5, gates) * gates.transpose(1, 2).unsqueeze(-1))
+    assert scaled.transpose(1, 2).is_contiguous()
+    with pytest.raises(RuntimeError, match="scale_rows needs the gates"):
+        op(q, k, v, d**-0.5, None, True)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32), (4, 4, 49, 8)])
+def test_backward_of_scaled_rows_equals_sdpa_times_the_gates(op, H, Hkv, N, d):
+    """The gradients of SDPA's heads times gates [B, N, H], the gates' own included, except at the rows gated 0:
+    there the kernel gives the gate 0, the gradient MoH's soft gates pass back there (not dO . O)."""
+    q, k, v = _qkv(3, H, Hkv, N, d)
+    gates = _gates(3, N, H)
+    grad_out = torch.randn(3, N, H, d).transpose(1, 2)
+    qr, kr, vr, gr = (t.detach().requires_grad_(True) for t in (q, k, v, gates))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, enable_gqa=H != Hkv) * gr.transpose(1, 2).unsqueeze(-1)
+    ref.backward(grad_out)
+    qq, kk, vv, gg = (t.detach().requires_grad_(True) for t in (q, k, v, gates))
+    out = small_heads.SmallAttention.apply(qq, kk, vv, d**-0.5, gg, True)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    on = gates != 0
+    assert (gg.grad[~on] == 0).all() and not (gr.grad[~on] == 0).all()
+    torch.testing.assert_close(gg.grad[on], gr.grad[on], rtol=1e-4, atol=1e-5)
+    for name, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), (qr.grad, kr.grad, vr.grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 

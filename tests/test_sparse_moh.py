@@ -220,3 +220,36 @@ def test_bf16_paths_slice_autocasts_own_cast_of_the_weights(path, routing):
     assert torch.equal(first, second) and torch.equal(second, per_call)
     with pytest.raises(RuntimeError, match="inside torch.autocast"):
         kernels.autocast_weight_op()(m.qkv.weight)
+
+
+@pytest.mark.parametrize("router", ["linear", "l2norm"])
+def test_straight_through_gates_train_every_head_on_every_path(router):
+    """Binary straight-through gates pass a gradient to every head's output, selected or not, so a training forward
+    attends every head whatever the layer's impl and training attention: every parameter's gradient is the masked
+    dense path's on SDPA. Its runs' probe leaves such a layer on that path, and it refuses another."""
+    from visattn.attention.moh import REFERENCE_PATH
+    from visattn.attention.train_paths import probed_layers
+
+    m = _moh(dim=48, heads=4, shared_heads=1, routed_topk=1, router=router, gate="binary_ste", two_stage=False)
+    m.train()
+    x, grad = torch.randn(2, 17, 48), torch.randn(2, 17, 48)
+
+    def grads(impl, attention="sdpa"):
+        m.impl, m.train_attention = impl, attention
+        m.zero_grad()
+        m(x).backward(grad)
+        return {name: p.grad.clone() for name, p in m.named_parameters()}
+
+    want = grads("dense")
+    assert want["qkv.weight" if router == "l2norm" else "router.routed.weight"].abs().sum() > 0
+    for impl, attention in [("dense", "small_attention"), ("auto", "small_attention"), ("sparse", "sdpa"),
+                            *((path, "sdpa") for path in m.paths)]:
+        for name, got in grads(impl, attention).items():
+            scale = want[name].abs().max().item()  # the perturbed weights give gradients up to ~100
+            torch.testing.assert_close(got, want[name], rtol=1e-4, atol=1e-5 * scale, msg=f"{impl}, {attention}: {name}")
+    m.impl = "auto"
+    assert probed_layers(torch.nn.Sequential(m)) == {}
+    if "routed_kernel_loops" in m.paths:
+        with pytest.raises(ValueError, match="not a training path of this layer; it has: masked_dense"):
+            m.train_path = "routed_kernel_loops"
+    m.train_path = REFERENCE_PATH

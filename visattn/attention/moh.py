@@ -4,8 +4,9 @@ budget, and its exact inference paths.
 Paths (all equal to the masked dense one up to float rounding):
 
 - ``masked_dense``: every head computed, unselected ones zeroed by their gates (the reference, the
-  training path, and what the released MoH code runs; in eval, where small heads run the kernels' attention,
-  it skips the (token, head) rows gated 0, with the same output: ``HeadAttention.sdpa``'s ``row_gates``);
+  training path, and what the released MoH code runs; where small heads run the kernels' attention, it skips
+  the (token, head) rows gated 0 and gates the others as it writes them, with the same output and, for soft
+  gates, the same gradients: ``HeadAttention.gated_sdpa``);
 - ``dense_projections``: one qkv and one output matmul, attention only for the selected pairs
   (``visattn.attention.sparse``);
 - ``sparse_projections``: queries, attention and output projection only for the selected pairs
@@ -153,8 +154,9 @@ class MoHAttention(HeadAttention):
     processes of one run would change its last bits, so a run makes it once and keeps it in its
     checkpoints. A named path runs in training too (every path is differentiable;
     ``routed_kernel_loops``, which ``"sparse"`` takes for small heads, trains on the compiled kernel and
-    its backward). An attention mask, ``is_causal``, TorchScript and torch.fx always take the masked
-    dense path.
+    its backward), except with straight-through gates (``gate="binary_ste"``), whose gradient reaches every
+    head's output, selected or not: they train on the masked dense path, every head attended. An attention
+    mask, ``is_causal``, TorchScript and torch.fx always take the masked dense path.
     """
 
     __jit_unused_properties__ = [*HeadAttention.__jit_unused_properties__, "impl", "train_path"]
@@ -204,7 +206,8 @@ class MoHAttention(HeadAttention):
 
     @train_path.setter
     def train_path(self, path: str) -> None:
-        allowed = [p for p in TRAIN_PATHS if p in self.paths]
+        skips = self.zero_gates_carry_no_grad  # straight-through gates train on the masked dense path alone
+        allowed = [p for p in TRAIN_PATHS if p in self.paths and (p == REFERENCE_PATH or skips)]
         if path not in allowed:
             raise ValueError(f"train_path={path!r} is not a training path of this layer; it has: {', '.join(allowed)}")
         self._train_path = path
@@ -215,6 +218,8 @@ class MoHAttention(HeadAttention):
         (under ``auto``: in eval, when there is another path to probe; in training, per ``train_path``)."""
         if attn_mask is not None or is_causal:
             return False
+        if self.training and torch.is_grad_enabled() and not self.zero_gates_carry_no_grad:
+            return False  # straight-through gates: every head's output has a gradient, so no head may be skipped
         if self.fixed_path is not None:
             return self.fixed_path != REFERENCE_PATH
         if self.training:

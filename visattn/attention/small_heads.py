@@ -73,6 +73,17 @@ def small_attention(
     0 there (the other rows are what they are without gates, bit for bit), so pass them only where the heads are
     then multiplied by these gates. The probe times both without gates (skipping only lightens the kernel's side,
     and one choice per shape keeps MHA and MoH layers of a shape on the same attention)."""
+    return small_attention_gated(q, k, v, scale, row_gates, scale_rows=False)[0]
+
+
+@torch.jit.unused
+def small_attention_gated(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, row_gates: torch.Tensor | None,
+    scale_rows: bool = True,
+) -> tuple[torch.Tensor, bool]:
+    """``small_attention``, and with ``scale_rows`` the kernel multiplies each output row by its gate as it writes
+    it (the gated heads, equal bit for bit to that product taken after). -> (heads [B, H, N, d], whether they are
+    gated: False where the probe chose SDPA, or without float32 gates; the caller then multiplies them)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     op = small_attention_op()
     gqa = q.shape[1] != k.shape[1]
@@ -84,38 +95,43 @@ def small_attention(
     key = (KERNEL, device, torch.get_num_threads(), torch.__version__, tuple(q.shape), tuple(k.shape), build_id())
     choice = PROBE.choose(key, runs, REFERENCE, tuple(q.shape), "float32", device)
     if choice.path == KERNEL and row_gates is not None and row_gates.dtype == torch.float32:
-        return op(q, k, v, scale, row_gates)
-    return runs[choice.path]()
+        return op(q, k, v, scale, row_gates, scale_rows), scale_rows
+    return runs[choice.path](), False
 
 
 class SmallAttention(torch.autograd.Function):
     """The kernel's attention with its backward (``small_attention_backward``): q [B, H, N, d], k / v [B, Hkv, M,
     d], float32, ``scale``, ``row_gates`` [B, N, H] or None (as ``small_attention``: the rows gated 0 are neither
-    attended nor differentiated, so pass them only where the heads are then multiplied by these gates) ->
-    [B, H, N, d]. Once differentiable."""
+    attended nor differentiated, so pass them only where the heads are then multiplied by these gates), and
+    ``scale_rows``: each output row multiplied by its gate, which then gets a gradient (0 at the rows gated 0, where
+    soft gates have none: not for straight-through gates) -> [B, H, N, d]. Once differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, row_gates):
+    def forward(ctx, q, k, v, scale: float, row_gates, scale_rows: bool):
         ctx.save_for_backward(q, k, v, row_gates)
-        ctx.scale = scale
-        return small_attention_op()(q, k, v, scale, row_gates)
+        ctx.scale, ctx.scale_rows = scale, scale_rows
+        return small_attention_op()(q, k, v, scale, row_gates, scale_rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, row_gates = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        dq, dk, dv = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, ctx.scale, row_gates)
-        return dq, dk, dv, None, None
+        dq, dk, dv, dgates = torch.ops.visattn.small_attention_backward(grad_out, q, k, v, ctx.scale, row_gates,
+                                                                         ctx.scale_rows)
+        return dq, dk, dv, None, dgates if ctx.scale_rows else None, None
 
 
 @torch.jit.unused
 def small_attention_train(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, row_gates: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``SmallAttention`` (no probe: the layer's run chose it). Call only where ``small_attention_fits``."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, row_gates: torch.Tensor | None = None,
+    scale_rows: bool = False,
+) -> tuple[torch.Tensor, bool]:
+    """``SmallAttention`` (no probe: the layer's run chose it). Call only where ``small_attention_fits``.
+    -> (heads [B, H, N, d], whether they are gated: ``scale_rows`` with float32 ``row_gates``)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if row_gates is not None and row_gates.dtype != torch.float32:
         row_gates = None
-    gates = None if row_gates is None else row_gates.detach()
-    return SmallAttention.apply(q, k, v, scale, gates)
+    scale_rows = scale_rows and row_gates is not None
+    gates = row_gates if scale_rows or row_gates is None else row_gates.detach()
+    return SmallAttention.apply(q, k, v, scale, gates, scale_rows), scale_rows

@@ -48,9 +48,10 @@ KERNEL_PATH = TRAIN_PATHS[1]
 
 def probed_layers(model: nn.Module) -> dict[str, MoHAttention]:
     """The MoH layers of ``model`` whose training path a probe chooses: ``impl="auto"`` and a kernel
-    path to train on."""
+    path to train on (not with straight-through gates, which train on the masked dense path)."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, MoHAttention) and m.impl == "auto" and KERNEL_PATH in m.paths}
+            if isinstance(m, MoHAttention) and m.impl == "auto" and KERNEL_PATH in m.paths
+            and m.zero_gates_carry_no_grad}
 
 
 def attention_layers(model: nn.Module) -> dict[str, HeadAttention]:

@@ -26,7 +26,8 @@
 - ``small_attention_op()``: softmax attention for small heads and short sequences (float32;
   ``small_attention.cpp``), which ``HeadAttention.sdpa`` takes over SDPA's where a probe on the running
   machine finds it faster (``visattn.attention.small_heads``), with its backward (``small_attention_backward``)
-  in training where a run's probe chose it (``visattn.attention.train_paths``).
+  in training where a run's probe chose it (``visattn.attention.train_paths``); for MoH it skips the rows gated 0
+  and multiplies the others by their gates (``HeadAttention.gated_sdpa``).
 
 The extension is compiled with the C++ toolchain torch's ``cpp_extension`` finds (g++ and ninja) into
 ``$VISATTN_KERNEL_DIR`` (default ``~/.cache/visattn/kernels``), once per source, torch version, Python

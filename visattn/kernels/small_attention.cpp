@@ -143,7 +143,14 @@ struct Args {
   float* out;                      // [B, N, H, d]
   const float* gates;              // [B, N, H] or null: a query row whose gate is 0 is skipped (written 0)
   int64_t gs[3];                   // gates' strides over (image, token, head)
+  bool scale_rows;                 // each output row multiplied by its gate (MoH's gated heads)
 };
+
+// The gate each output row of image b is multiplied by: 1 (exact, so ungated rows are unchanged bit for bit) unless
+// the rows are scaled.
+VISATTN_INLINE float row_scale(const Args& a, int64_t b, int64_t i, int64_t h) {
+  return a.scale_rows ? a.gates[b * a.gs[0] + i * a.gs[1] + h * a.gs[2]] : 1.f;
+}
 
 constexpr int kRows = 4;  // query rows per step
 
@@ -151,7 +158,7 @@ constexpr int kRows = 4;  // query rows per step
 // are 0 and not written out), row i being query token idx[i], into the image's output ob [N, H, d]. Scores of
 // RQS rows at a time, values of RQV rows at a time. A row's arithmetic does not depend on the rows beside it.
 template <int NB, int DB>
-VISATTN_INLINE void attend_rows(const Args& a, int64_t h, int64_t i0, int64_t count, const int64_t* idx,
+VISATTN_INLINE void attend_rows(const Args& a, int64_t b, int64_t h, int64_t i0, int64_t count, const int64_t* idx,
                                 const float* qg, const float* kt, const float* vp, const float* keep,
                                 const float* below, float* s, float* o, float* ob) {
   constexpr int RQS = NB <= 2 ? 4 : (NB <= 6 ? 2 : 1), RQV = DB <= 2 ? 4 : 2;
@@ -164,8 +171,10 @@ VISATTN_INLINE void attend_rows(const Args& a, int64_t h, int64_t i0, int64_t co
     rows_values<NB, DB, RQV>(s + r * NB * W, a.M, vp, o + r * DB * W);
   const int rows = static_cast<int>(std::min<int64_t>(kRows, count - i0));
   for (int r = 0; r < rows; ++r) {
-    float* dst = ob + (idx[i0 + r] * a.H + h) * d;
-    for (int64_t c = 0; c < d; ++c) dst[c] = o[r * DB * W + c] * norm[r];
+    const int64_t i = idx[i0 + r];
+    const float g = row_scale(a, b, i, h);  // after the normalisation: the product a gated merge would compute
+    float* dst = ob + (i * a.H + h) * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = o[r * DB * W + c] * norm[r] * g;
   }
 }
 
@@ -260,7 +269,7 @@ VISATTN_INLINE void attend_image(const Args& a, int64_t b, Scratch& scratch) {
       std::fill(qh + count * d, qh + count4 * d, 0.f);
       const float *kth = kt + (h / group) * kt_size, *vph = vp + (h / group) * vp_size;
       for (int64_t i0 = 0; i0 < count; i0 += kRows)
-        attend_rows<NB, DB>(a, h, i0, count, idx + h * N, qh, kth, vph, keep, below, s, o, ob);
+        attend_rows<NB, DB>(a, b, h, i0, count, idx + h * N, qh, kth, vph, keep, below, s, o, ob);
     }
   }
   std::memcpy(a.out + b * N * H * d, ob, N * H * d * sizeof(float));
@@ -311,26 +320,28 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 }
 
 Args forward_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                  const std::optional<at::Tensor>& gates, float* out) {
+                  const std::optional<at::Tensor>& gates, bool scale_rows, float* out) {
+  TORCH_CHECK(gates.has_value() || !scale_rows, "small_attention: scale_rows needs the gates");
   const bool gated = gates.has_value();
   return Args{q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), q.data_ptr<float>(), k.data_ptr<float>(),
               v.data_ptr<float>(), {q.stride(0), q.stride(1), q.stride(2)},
               {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
               static_cast<float>(scale), out, gated ? gates->data_ptr<float>() : nullptr,
-              {gated ? gates->stride(0) : 0, gated ? gates->stride(1) : 0, gated ? gates->stride(2) : 0}};
+              {gated ? gates->stride(0) : 0, gated ? gates->stride(1) : 0, gated ? gates->stride(2) : 0}, scale_rows};
 }
 
 // softmax(q k^T * scale) v per (image, head). q: [B, H, N, d], k / v: [B, Hkv, M, d] (H a multiple of Hkv; any
 // strides with the width contiguous), float32, M <= 64, d <= 32; gates: [B, N, H] float32 (any strides) or none:
 // where a gate is 0 the query row is not attended and its output is 0 (MoH's unselected heads, whose output the
 // gate zeroes anyway). -> [B, H, N, d], a view of a [B, N, H, d] tensor (the merged heads). The other rows are
-// equal bit for bit to what they are without gates.
+// equal bit for bit to what they are without gates; with scale_rows each is multiplied by its gate as it is written
+// (the gated heads MoH merges, equal bit for bit to that product taken after), so the merge is a view.
 at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                           const std::optional<at::Tensor>& gates) {
+                           const std::optional<at::Tensor>& gates, bool scale_rows) {
   check_args(q, k, v, gates);
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3);
   at::Tensor out = at::empty({B, N, H, d}, q.options());
-  const Args a = forward_args(q, k, v, scale, gates, out.data_ptr<float>());
+  const Args a = forward_args(q, k, v, scale, gates, scale_rows, out.data_ptr<float>());
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     Scratch scratch;
     for (int64_t b = b0; b < b1; ++b) attend_one_image(a, b, scratch);
@@ -342,13 +353,16 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // Per (image, head), for the rows attended in the forward: the scores and probabilities p recomputed, dp = dO V^T,
 // ds = p (dp - sum_j p_j dp_j) (sum_j p_j dp_j = dO . O, without reading O), dq = scale ds K, dK += ds^T (q scale),
 // dV += p^T dO. A row gated 0 was written 0 in the forward and has no gradient (its dO is 0 too where the gates
-// multiplied the heads, so skipping it changes nothing).
+// multiplied the heads, so skipping it changes nothing). With scale_rows (the forward wrote g O, g the row's gate)
+// the dO read is the gated output's: the gate's gradient is dO . O = sum_j p_j dp_j, the D above, and the row's
+// ds and its share of dV are g times what they are ungated.
 
 struct BackArgs {
   Args f;                          // the forward's arguments (out unused)
   const float* go;                 // dO: [B, H, N, d] with strides gos over (image, head, token)
   int64_t gos[3];
   float *dq, *dk, *dv;             // [B, N, H, d], [B, M, Hkv, d], [B, M, Hkv, d]
+  float* dgates;                   // [B, N, H] with scale_rows (rows gated 0 left as they are), else null
 };
 
 // acc[r][0 .. 8 DB) += sum_{i < count} a[i][j0 + r] * x[i] (r < RK) and likewise for b and y: two sums of outer
@@ -461,6 +475,8 @@ VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& s
       }
       UNROLL for (int r = 0; r < kRows; ++r) {
         const float norm = row_softmax<NB>(s + r * L, keep, below);
+        const bool real = i0 + r < count;  // not a padding row
+        const float g = real ? row_scale(a, b, idx[h * N + i0 + r], h) : 1.f;
         lanes8_t pv[NB], dpv[NB], dot{};
         UNROLL for (int j = 0; j < NB; ++j) {
           std::memcpy(&pv[j], s + r * L + j * W, sizeof(lanes8_t));
@@ -469,9 +485,10 @@ VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& s
           dot += pv[j] * dpv[j];
         }
         const float D = lane_sum(dot)[0];
+        if (ba.dgates != nullptr && real) ba.dgates[(b * N + idx[h * N + i0 + r]) * H + h] = D;
         UNROLL for (int j = 0; j < NB; ++j) {
-          const lanes8_t dsv = pv[j] * (dpv[j] - D);
-          std::memcpy(s + r * L + j * W, &pv[j], sizeof(lanes8_t));
+          const lanes8_t dsv = pv[j] * ((dpv[j] - D) * g), pg = pv[j] * g;  // g = 1 ungated: exact
+          std::memcpy(s + r * L + j * W, &pg, sizeof(lanes8_t));
           std::memcpy(ds + r * L + j * W, &dsv, sizeof(lanes8_t));
         }
       }
@@ -519,33 +536,37 @@ VISATTN_SIMD_CLONES_V3 void backward_one_image(const BackArgs& a, int64_t b, Bac
 }
 
 // small_attention's backward: grad_out [B, H, N, d] (any strides, the width contiguous) and the forward's q, k, v,
-// scale and gates -> (dq [B, H, N, d] (a view of [B, N, H, d]), dk and dv [B, Hkv, M, d] (views of [B, M, Hkv,
-// d])). Rows whose gate is 0 get dq = 0 and add nothing to dk and dv.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> small_attention_backward(
+// scale, gates and scale_rows -> (dq [B, H, N, d] (a view of [B, N, H, d]), dk and dv [B, Hkv, M, d] (views of
+// [B, M, Hkv, d]), d gates [B, N, H] with scale_rows, else empty). Rows whose gate is 0 get dq = 0, add nothing to
+// dk and dv, and get a gate gradient of 0, not dO . O: pass gates only where that is the gradient through them (MoH's
+// soft gates, 0 wherever a head is unselected), not for straight-through ones.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> small_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-    const std::optional<at::Tensor>& gates) {
+    const std::optional<at::Tensor>& gates, bool scale_rows) {
   check_args(q, k, v, gates);
   TORCH_CHECK(grad_out.sizes() == q.sizes() && grad_out.scalar_type() == at::kFloat && grad_out.stride(3) == 1,
               "small_attention_backward: grad_out must be float32 shaped as q, the width contiguous");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), d = q.size(3), Hkv = k.size(1), M = k.size(2);
   at::Tensor dq = at::empty({B, N, H, d}, q.options()), dk = at::empty({B, M, Hkv, d}, q.options());
   at::Tensor dv = at::empty({B, M, Hkv, d}, q.options());
-  const BackArgs ba{forward_args(q, k, v, scale, gates, nullptr), grad_out.data_ptr<float>(),
+  at::Tensor dgates = scale_rows ? at::zeros({B, N, H}, q.options()) : at::empty({0}, q.options());
+  const BackArgs ba{forward_args(q, k, v, scale, gates, scale_rows, nullptr), grad_out.data_ptr<float>(),
                     {grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)}, dq.data_ptr<float>(),
-                    dk.data_ptr<float>(), dv.data_ptr<float>()};
+                    dk.data_ptr<float>(), dv.data_ptr<float>(), scale_rows ? dgates.data_ptr<float>() : nullptr};
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     BackScratch scratch;
     for (int64_t b = b0; b < b1; ++b) backward_one_image(ba, b, scratch);
   });
-  return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)};
+  return {dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dgates};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(visattn, m) {
-  m.def("small_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None) -> Tensor");
-  m.def("small_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def("small_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None, bool scale_rows=False) "
+        "-> Tensor");
+  m.def("small_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float scale, Tensor? gates=None, "
+        "bool scale_rows=False) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(visattn, CPU, m) {
   m.impl("small_attention", &small_attention);
