@@ -236,3 +236,19 @@ def test_flop_counts_see_the_masked_dense_path_whatever_the_training_path(kernel
     assert model.a.last_path == REFERENCE_PATH
     model.train()(x)
     assert model.a.last_path == KERNEL_PATH  # outside the counter, the kernel
+
+
+def test_straight_through_layers_train_on_the_masked_dense_path_whatever_a_record_says(kernel, caplog):
+    """A layer of straight-through gates is not probed (the kernel path drops their gradient to the unselected
+    heads), and a record from before that rule which put it on the kernel path is overridden, with a warning."""
+    model = nn.ModuleDict({"a": build_attention("moh", 32, num_heads=8, shared_heads=2, routed_topk=2,
+                                                gate="binary_ste", two_stage=False),
+                           "b": Tiny().a})
+    assert list(probed_layers(model)) == ["b"]
+    with caplog.at_level("WARNING"):
+        apply_train_paths(model, {"paths": {"a": KERNEL_PATH, "b": KERNEL_PATH}})
+    assert (model["a"].train_path, model["b"].train_path) == (REFERENCE_PATH, KERNEL_PATH)
+    assert "put a on routed_kernel_loops; their straight-through gates" in caplog.text
+    caplog.clear()
+    apply_train_paths(model, {"paths": {"a": REFERENCE_PATH}})
+    assert model["b"].train_path == REFERENCE_PATH and not caplog.text

@@ -130,6 +130,15 @@ def apply_train_paths(model: nn.Module, record: Mapping[str, Any]) -> None:
     cannot train on."""
     layers, attention = probed_layers(model), attention_layers(model)
     paths = dict(record.get("paths") or {})
+    # Before the 25th session the probe also chose for layers of straight-through gates, whose gradient the kernel
+    # path drops for the unselected heads: such a layer now trains on the masked dense path whatever the record says.
+    straight_through = {name for name, m in model.named_modules() if isinstance(m, MoHAttention) and m.impl == "auto"
+                        and KERNEL_PATH in m.paths and not m.zero_gates_carry_no_grad}
+    moved = sorted(name for name in straight_through if paths.pop(name, None) == KERNEL_PATH)
+    if moved:
+        log.warning("the training paths' record put %s on %s; their straight-through gates pass a gradient to every "
+                    "head, which that path drops for the unselected ones, so they train on %s",
+                    ", ".join(moved), KERNEL_PATH, REFERENCE_PATH)
     unknown = sorted(set(paths) - set(layers))
     if unknown:
         raise ValueError(f"the training paths name layers this model has no probed MoH layer for: {unknown}; "
