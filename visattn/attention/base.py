@@ -310,9 +310,9 @@ class HeadAttention(nn.Module):
                 gates, _ = self.route(x, q, selection=False)
         if gates is not None and self.attends_by_sdpa:
             # Each head is multiplied by its gate, so the rows gated 0 need not be attended, and where the small-heads
-            # kernel runs it multiplies the rows as it writes them (at the study's sizes a separate gated merge and
-            # projection took 1.2x the projection's time). With gradients only where a gate of 0 has no gradient:
-            # a straight-through gate passes one to every head's output, which needs every head attended.
+            # kernel runs it multiplies the rows as it writes them (the study's MoH models trained 1-2% faster than
+            # with the gated projection after it; docs/benchmarks.md). With gradients only where a gate of 0 has no
+            # gradient: a straight-through gate passes one to every head's output, which needs every head attended.
             skip = self.zero_gates_carry_no_grad or not torch.is_grad_enabled()
             heads, gated = self.gated_sdpa(q, k, v, attn_mask, is_causal, None, gates if skip else None, skip)
             return self.merge_heads(x, heads, None if gated else gates)
