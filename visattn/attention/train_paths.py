@@ -46,12 +46,16 @@ log = logging.getLogger(__name__)
 KERNEL_PATH = TRAIN_PATHS[1]
 
 
+def _auto_layers_with_kernel(model: nn.Module) -> dict[str, MoHAttention]:
+    """The MoH layers of ``model`` with ``impl="auto"`` and a kernel path."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, MoHAttention) and m.impl == "auto" and KERNEL_PATH in m.paths}
+
+
 def probed_layers(model: nn.Module) -> dict[str, MoHAttention]:
     """The MoH layers of ``model`` whose training path a probe chooses: ``impl="auto"`` and a kernel
     path to train on (not with straight-through gates, which train on the masked dense path)."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, MoHAttention) and m.impl == "auto" and KERNEL_PATH in m.paths
-            and m.zero_gates_carry_no_grad}
+    return {name: m for name, m in _auto_layers_with_kernel(model).items() if m.zero_gates_carry_no_grad}
 
 
 def attention_layers(model: nn.Module) -> dict[str, HeadAttention]:
@@ -132,8 +136,7 @@ def apply_train_paths(model: nn.Module, record: Mapping[str, Any]) -> None:
     paths = dict(record.get("paths") or {})
     # Before the 25th session the probe also chose for layers of straight-through gates, whose gradient the kernel
     # path drops for the unselected heads: such a layer now trains on the masked dense path whatever the record says.
-    straight_through = {name for name, m in model.named_modules() if isinstance(m, MoHAttention) and m.impl == "auto"
-                        and KERNEL_PATH in m.paths and not m.zero_gates_carry_no_grad}
+    straight_through = set(_auto_layers_with_kernel(model)) - set(layers)
     moved = sorted(name for name in straight_through if paths.pop(name, None) == KERNEL_PATH)
     if moved:
         log.warning("the training paths' record put %s on %s; their straight-through gates pass a gradient to every "
