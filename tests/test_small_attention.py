@@ -235,6 +235,27 @@ def test_backward_equals_sdpa(op, B, H, Hkv, N, M, d, contiguous):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("contiguous", ["q", "kv"])
+def test_queries_and_keys_in_different_layouts_equal_sdpa(op, contiguous):
+    """The kernel reads a packed projection in one pass token by token; with queries or keys head-major ([B, H, N, d]
+    tensors) it reads each in its own order, with the gates, forward and backward."""
+    q, k, v = _qkv(3, 8, 8, 17, 12)
+    if contiguous == "q":
+        q = q.contiguous()
+    else:
+        k, v = k.contiguous(), v.contiguous()
+    gates = _gates(3, 17, 8)
+    on = (gates != 0).transpose(1, 2).unsqueeze(-1)  # [B, H, N, 1]
+    grad_out = torch.randn(3, 17, 8, 12).transpose(1, 2) * on
+    ref, *ref_grads = _sdpa_grads(q, k, v, grad_out, 12**-0.5)
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = small_heads.SmallAttention.apply(qq, kk, vv, 12**-0.5, gates, False)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, ref * on, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", (qq.grad, kk.grad, vv.grad), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(("H", "Hkv", "N", "d"), [(8, 8, 17, 12), (6, 2, 9, 32)])
 def test_backward_skips_the_rows_gated_0_exactly(op, H, Hkv, N, d):
     """Where the heads are multiplied by the gates, a row gated 0 has no gradient: skipping it gives SDPA's

@@ -178,19 +178,42 @@ VISATTN_INLINE void attend_rows(const Args& a, int64_t b, int64_t h, int64_t i0,
   }
 }
 
-// gather(h, row) for every attended row of every head (row `row` of head h is query token idx[h N + row], rows in
-// token order, counts[h] of them), token by token where a token's heads lie side by side (`by_token`), else head by
-// head: the order the rows lie in memory. filled: scratch of H.
-template <typename Gather>
-VISATTN_INLINE void each_row_in_memory_order(bool by_token, int64_t N, int64_t H, const int64_t* idx,
-                                             const int64_t* counts, int64_t* filled, Gather&& gather) {
-  if (by_token) {
-    std::fill(filled, filled + H, 0);
-    for (int64_t i = 0; i < N; ++i)
-      for (int64_t h = 0; h < H; ++h) {
-        int64_t& row = filled[h];
-        if (row < counts[h] && idx[h * N + row] == i) gather(h, row++);
-      }
+// An image's queries, keys and values read in the order they lie in memory: gather(h, row) for every attended row of
+// every head (row `row` of head h is query token idx[h N + row], rows in token order, counts[h] of them) and pack(n, g)
+// for every key token n and key/value head g. Where a token's heads lie side by side in q and k and the keys are the
+// queries' tokens (a layer's packed projection), in one pass token by token: the token's query rows, then its keys
+// and values. Else the keys and values, then the queries, each token by token where a token's heads lie side by side,
+// else head by head. On an AMD EPYC (Zen 3) at the study classifier's layer, the two passes over a packed projection
+// (each skipping part of every row) took 1.06-1.10x the one pass's time in the forward and 1.09-1.12x in the
+// backward, and 1.20-1.34x in the forward where the rows carry the router's 16 logit columns, a cache line that no
+// pass reads; at the study DiT's 49 tokens 1.02-1.05x (docs/benchmarks.md, 26th session). filled: scratch of H.
+template <typename Gather, typename Pack>
+VISATTN_INLINE void read_image(const Args& a, int64_t N, int64_t M, int64_t H, int64_t Hkv, const int64_t* idx,
+                               const int64_t* counts, int64_t* filled, Gather&& gather, Pack&& pack) {
+  const bool q_by_token = a.qs[1] <= a.qs[2], k_by_token = a.ks[1] <= a.ks[2];
+  std::fill(filled, filled + H, 0);
+  const auto token_rows = [&](int64_t i) {
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t& row = filled[h];
+      if (row < counts[h] && idx[h * N + row] == i) gather(h, row++);
+    }
+  };
+  if (q_by_token && k_by_token && M == N) {
+    for (int64_t n = 0; n < N; ++n) {
+      token_rows(n);
+      for (int64_t g = 0; g < Hkv; ++g) pack(n, g);
+    }
+    return;
+  }
+  if (k_by_token) {
+    for (int64_t n = 0; n < M; ++n)
+      for (int64_t g = 0; g < Hkv; ++g) pack(n, g);
+  } else {
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t n = 0; n < M; ++n) pack(n, g);
+  }
+  if (q_by_token) {
+    for (int64_t i = 0; i < N; ++i) token_rows(i);
   } else {
     for (int64_t h = 0; h < H; ++h)
       for (int64_t row = 0; row < counts[h]; ++row) gather(h, row);
@@ -204,12 +227,12 @@ struct Scratch {
   std::vector<int64_t> rows;
 };
 
-// Every head of image b. Its query, key and value rows are read in memory order (in a layer's packed projection
-// token by token, a token's heads side by side; head by head where each head's tokens are contiguous), which the
-// hardware prefetchers follow. On an AMD EPYC (Zen 3), reading the packed projection head by head, a token's row
-// apart, stalled on the caches for about a third of the kernel's time (perf), and [B, H, N, d] tensors read token
-// by token took 1.4x the packed projection's time, head by head 0.9x. Then per head: the query rows whose gate is
-// not 0 attended four at a time, into the image's [N, H, d] output, copied out whole.
+// Every head of image b. Its query, key and value rows are read in memory order (read_image: in a layer's packed
+// projection in one pass token by token, a token's heads side by side; head by head where each head's tokens are
+// contiguous), which the hardware prefetchers follow. On an AMD EPYC (Zen 3), reading the packed projection head by
+// head, a token's row apart, stalled on the caches for about a third of the kernel's time (perf), and [B, H, N, d]
+// tensors read token by token took 1.4x the packed projection's time, head by head 0.9x. Then per head: the query
+// rows whose gate is not 0 attended four at a time, into the image's [N, H, d] output, copied out whole.
 template <int NB, int DB>
 VISATTN_INLINE void attend_image(const Args& a, int64_t b, Scratch& scratch) {
   const int64_t d = a.d, M = a.M, N = a.N, H = a.H, Hkv = a.Hkv, group = H / Hkv;
@@ -255,14 +278,7 @@ VISATTN_INLINE void attend_image(const Args& a, int64_t b, Scratch& scratch) {
       float* dst = qg + (h * N4 + row) * d;
       for (int64_t c = 0; c < d; ++c) dst[c] = qr[c] * a.scale;
     };
-    if (a.ks[1] <= a.ks[2]) {  // a token's heads side by side: token by token
-      for (int64_t n = 0; n < M; ++n)
-        for (int64_t g = 0; g < Hkv; ++g) pack(n, g);
-    } else {  // each head's tokens contiguous ([B, H, N, d] tensors): head by head
-      for (int64_t g = 0; g < Hkv; ++g)
-        for (int64_t n = 0; n < M; ++n) pack(n, g);
-    }
-    each_row_in_memory_order(a.qs[1] <= a.qs[2], N, H, idx, counts, filled, gather);
+    read_image(a, N, M, H, Hkv, idx, counts, filled, gather, pack);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t count = counts[h], count4 = (count + kRows - 1) / kRows * kRows;
       float* qh = qg + h * N4 * d;
@@ -434,19 +450,18 @@ VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& s
     }
   std::fill(dkv, dkv + 2 * Hkv * M * R, 0.f);
   const float *kb = a.k + b * a.ks[0], *vb = a.v + b * a.vs[0], *qb = a.q + b * a.qs[0], *gb = ba.go + b * ba.gos[0];
-  for (int64_t g = 0; g < Hkv; ++g) {
+  // per key/value head its keys and values packed as K^T, V^T and K, and every head's attended query rows (scaled)
+  // with their dO rows [H][N4][R], read in memory order as the forward reads them (gathered head by head from a packed
+  // projection, the queries' and dO's loads took a fifth of the backward's time)
+  const auto pack = [&](int64_t n, int64_t g) {
     float *kt = kv + g * kv_size, *vt = kt + d * L, *kp = vt + d * L;
-    for (int64_t n = 0; n < M; ++n) {
-      const float *kr = kb + n * a.ks[2] + g * a.ks[1], *vr = vb + n * a.vs[2] + g * a.vs[1];
-      for (int64_t c = 0; c < d; ++c) {
-        kt[c * L + n] = kr[c];
-        vt[c * L + n] = vr[c];
-        kp[n * R + c] = kr[c];
-      }
+    const float *kr = kb + n * a.ks[2] + g * a.ks[1], *vr = vb + n * a.vs[2] + g * a.vs[1];
+    for (int64_t c = 0; c < d; ++c) {
+      kt[c * L + n] = kr[c];
+      vt[c * L + n] = vr[c];
+      kp[n * R + c] = kr[c];
     }
-  }
-  // every head's attended query rows (scaled) and their dO rows [H][N4][R], read in q's memory order as the forward
-  // reads them (gathered head by head from a packed projection, these loads took a fifth of the backward's time)
+  };
   const auto gather = [&](int64_t h, int64_t row) {
     const int64_t i = idx[h * N + row];
     const float *qr = qb + i * a.qs[2] + h * a.qs[1], *gr = gb + i * ba.gos[2] + h * ba.gos[1];
@@ -456,7 +471,7 @@ VISATTN_INLINE void backward_image(const BackArgs& ba, int64_t b, BackScratch& s
       gd[c] = gr[c];
     }
   };
-  each_row_in_memory_order(a.qs[1] <= a.qs[2], N, H, idx, counts, filled, gather);
+  read_image(a, N, M, H, Hkv, idx, counts, filled, gather, pack);
   constexpr int RQS = NB <= 2 ? 4 : (NB <= 6 ? 2 : 1), RQV = DB <= 2 ? 4 : 2;
   constexpr int RK = DB == 1 ? 4 : (DB == 2 ? 2 : 1);
   for (int64_t h = 0; h < H; ++h) {
