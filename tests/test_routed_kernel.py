@@ -174,7 +174,7 @@ def test_one_matmul_gives_shared_queries_keys_values_and_router_logits_in_float3
 def _fused_or_skip(fused: bool, d: int) -> None:
     """fused=True where the fused attention cannot run (a head width it does not serve) still runs: MKL's."""
     if fused and d % 16 == 0 and not torch.ops.visattn.moh_fused_attention(d):
-        pytest.skip("no AVX-512 here: the fused attention (fused_attention.h) does not run on this CPU")
+        pytest.skip("no AVX-512 or AVX2 with FMA here: the fused attention (fused_attention.h) does not run on this CPU")
 
 
 # (head width, tokens): 8 wide (MKL whatever `fused` says); 16 wide with 45 tokens, so heads of 16-32
@@ -260,21 +260,26 @@ def test_the_attention_op_against_the_formula(kernel, d, N, fused):
     assert torch.equal(q2, z) and torch.equal(rows2[:, H * d :], rows[:, H * d :])
 
 
-def test_the_fused_attention_runs_where_the_cpu_has_avx512():
-    """fused_attention.h serves heads 16, 32, 48 or 64 wide on a CPU with AVX-512 and FMA, else no head:
-    the ops then take MKL's GEMMs (the tests above run both where both run)."""
+def _cpu_has_fma_vectors() -> bool:
+    """Whether this CPU has FMA and AVX2 (every x86 CPU with AVX-512 has both)."""
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    return "avx2" in flags and "fma" in flags
+
+
+def test_the_fused_attention_runs_where_the_cpu_has_avx2_and_fma():
+    """fused_attention.h serves heads 16, 32, 48 or 64 wide on a CPU with AVX-512, or AVX2 and FMA (its
+    AVX2 loops, also under VISATTN_KERNELS_AVX2=1), else no head: the ops then take MKL's GEMMs (the tests
+    above run both where both run)."""
     if kernels.moh_routing_op() is None:
         pytest.skip("no C++ toolchain: no kernels")
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    avx512 = "avx512f" in flags and "fma" in flags and os.environ.get(kernels.AVX2_ONLY_ENV) != "1"
     fused = torch.ops.visattn.moh_fused_attention
-    assert [fused(d) for d in (16, 32, 48, 64)] == [avx512] * 4
+    assert [fused(d) for d in (16, 32, 48, 64)] == [_cpu_has_fma_vectors()] * 4
     assert not any(fused(d) for d in (8, 12, 24, 72, 80, 128))
 
 
 # Run with VISATTN_KERNELS_AVX2=1: every kernel path of a MoH layer against masked dense, in inference and
 # (routed_kernel_loops) training; heads 12 wide over 17 tokens (exp_row's short rows, small_gemm's narrow
-# blocks) and 64 wide over 70 tokens (rows past 64, the MKL attention fused_attention.h takes on AVX-512).
+# blocks) and 64 wide over 70 tokens (rows past 64; the AVX2 loops of fused_attention.h and row_gemm.h).
 AVX2_SCRIPT = """
 import torch
 import visattn.kernels as kernels
@@ -282,7 +287,7 @@ from visattn.attention import build_attention
 from visattn.attention.moh import PATHS
 
 assert kernels.moh_routing_op() is not None
-assert not torch.ops.visattn.moh_fused_attention(64), "VISATTN_KERNELS_AVX2=1 left the AVX-512 attention on"
+assert torch.ops.visattn.moh_fused_attention(64) == FMA_VECTORS, "the AVX2 loops of fused_attention.h"
 assert kernels.build_id().endswith("+avx2")
 checked = []
 for dim, heads, tokens in ((96, 8, 17), (128, 2, 70)):
@@ -315,11 +320,12 @@ print("checked", len(checked))
 
 
 def test_the_avx2_code_equals_masked_dense_on_any_cpu(kernel):
-    """The kernels' code for CPUs without AVX-512 (eight-float exp_row and small_gemm, the MKL attention),
-    forced with VISATTN_KERNELS_AVX2=1 in a fresh process (the choice is made once per process), so that
-    an AVX-512 machine checks it too."""
+    """The kernels' code for CPUs without AVX-512 (eight-float exp_row and small_gemm, the AVX2 loops of
+    fused_attention.h and row_gemm.h), forced with VISATTN_KERNELS_AVX2=1 in a fresh process (the choice
+    is made once per process), so that an AVX-512 machine checks it too."""
     env = {**os.environ, kernels.AVX2_ONLY_ENV: "1"}
-    done = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    script = f"FMA_VECTORS = {_cpu_has_fma_vectors()}\n" + AVX2_SCRIPT
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "checked 8" in done.stdout
 

@@ -37,14 +37,16 @@ the image's output rows), so the output stays in cache and nothing is padded.
   ``routed_kernel_loops`` was as fast or faster at every shape measured (docs/benchmarks.md). Where the
   kernel cannot run it is ``masked_dense``.
 
-On a CPU with AVX-512, in float32 and for heads 16-64 wide, the kernel does not call MKL (11th session):
-- the attention of ``routed_kernel`` and ``routed_kernel_dense`` runs in loops of its own
-  (``visattn/kernels/fused_attention.h``: scores, softmax and values per tile of 32 queries in registers
-  and L1, the next head's rows prefetched): 0.80-0.88x the time of MKL's two GEMMs per image and head,
-  which ran as fast as SDPA does. ``routed_kernel``'s shared heads take it too, instead of SDPA;
-- ``routed_kernel``'s per-head projections read x's chosen rows in place and add the heads' outputs into
-  their rows in the same pass (``row_gemm.h``): 105-139 GFLOP/s against 81-91 for MKL's GEMMs with the
-  row copies around them.
+In float32 and for heads 16-64 wide, the kernel calls MKL less:
+- on a CPU with AVX-512 (11th session), or AVX2 and FMA (27th), the attention of ``routed_kernel`` and
+  ``routed_kernel_dense`` runs in loops of its own (``visattn/kernels/fused_attention.h``: scores, softmax
+  and values per tile of 32 queries (AVX2: 16) in registers and L1, the next head's rows prefetched): on an
+  AVX-512 Xeon 0.80-0.88x the time of MKL's two GEMMs per image and head, which ran as fast as SDPA does; on
+  an AVX2 EPYC (Zen 3) 0.92-0.93x, about SDPA's time. ``routed_kernel``'s shared heads take it too, instead
+  of SDPA;
+- with AVX-512, ``routed_kernel``'s per-head projections read x's chosen rows in place and add the heads'
+  outputs into their rows in the same pass (``row_gemm.h``): 105-139 GFLOP/s against 81-91 for MKL's GEMMs
+  with the row copies around them.
 Elsewhere it is MKL's GEMMs and SDPA. In bfloat16, ``routed_kernel_dense``'s attention runs on AMX tiles
 where the CPU has them (``visattn/kernels/amx_attention.h``, heads 64 wide): there SDPA's bf16 attention
 is half or more of an MHA layer's time, as the AMX matmuls are so fast; elsewhere bfloat16
@@ -230,9 +232,10 @@ def _shared_heads_fused(
     v_bias: torch.Tensor | None, gates: torch.Tensor, shared: int,
 ) -> bool:
     """``_shared_heads`` with the attention in the kernel's fused loops (``moh_routed_attention``, every
-    head shared) instead of SDPA, where they run (float32 on an AVX-512 CPU, heads 16-64 wide, the
-    shared queries from the one matmul with their bias, whole groups of key/value heads): they took
-    0.80-0.88x the time of MKL's GEMMs, which ran as fast as SDPA (11th session). False where it did
+    head shared) instead of SDPA, where they run (float32 on a CPU with AVX-512, or AVX2 and FMA, heads
+    16-64 wide, the shared queries from the one matmul with their bias, whole groups of key/value heads):
+    on an AVX-512 Xeon they took 0.80-0.88x the time of MKL's GEMMs, which ran as fast as SDPA (11th
+    session); on an AVX2 EPYC about SDPA's time (27th). False where it did
     nothing. q: [B, N, shared * d] (a view of the matmul's output; the heads' outputs overwrite it), k/v:
     [B, Hkv, N, d], v_bias: the values' bias [Hkv * d] when v came without it, gates: [B, N, H]; appends
     [B * N, dim_out] rows to ``out``, without the output's bias (in float32 the kernel adds it)."""

@@ -13,8 +13,9 @@
   selected (token, head) pairs (``moh_routed_heads.cpp``; the ``routed_kernel`` paths of
   ``visattn.attention.moh``). With ``blas`` its GEMMs are MKL's, looked up in the running torch
   build (None for a dtype whose GEMM the build does not export); without, its own loops (float32). In
-  float32 on a CPU with AVX-512 the attention between them runs in ``fused_attention.h``'s loops
-  (``torch.ops.visattn.moh_fused_attention(head_dim)`` says where).
+  float32 on a CPU with AVX-512, or AVX2 and FMA, the attention between them runs in ``fused_attention.h``'s
+  loops (``torch.ops.visattn.moh_fused_attention(head_dim)`` says where), and with AVX-512 the GEMMs in
+  ``row_gemm.h``'s.
 - ``moh_routed_attention_op(dtype, head_dim)``: the chosen pairs' attention alone, for
   ``routed_kernel_dense``: float32, and bfloat16 on AMX tiles (``amx_attention.h``).
 - ``moh_routed_proj_op(dtype, head_dim)``: the chosen pairs' output projection alone, bfloat16 on AMX

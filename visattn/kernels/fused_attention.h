@@ -1,13 +1,16 @@
 // The attention of one (image, head)'s chosen queries against the image's keys and values, float32, in
-// AVX-512 registers: per tile of up to 32 queries, the scores [N, 32] (queries in the lanes, so the keys
-// are read where they are, untransposed), a softmax down each column, and P @ V with the queries as rows.
-// The tile's scores stay in L1, and the next (image, head)'s queries, keys, values and output rows are
-// prefetched into L2 while this one computes.
+// vector registers: per tile of queries, the scores [N, tile] (queries in the lanes, so the keys are read
+// where they are, untransposed), a softmax down each column, and P @ V. The tile's scores stay in L1, and the
+// next (image, head)'s queries, keys, values and output rows are prefetched into L2 while this one computes.
+// - AVX-512: tiles of 32 queries, P @ V with the queries as rows.
+// - AVX2 with FMA (16 registers of 8 floats): tiles of 16 queries, scores 6 keys at a time, P @ V with the
+//   queries in the lanes as well (6 of the head's values at a time), so no tile leaves rows over.
 //
 // Why not MKL: at ViT-S / DiT-B/2 sizes (197-256 tokens, 64-wide heads) the two SGEMM calls per image and
-// head, with the scores written out between them, ran the attention at 80-95 GFLOP/s, as SDPA does; this
-// runs it 12-20% faster on the same machine (docs/results/benchmarks.md, 11th session). It needs AVX-512
-// and a head width that is a multiple of 16 up to 64; elsewhere callers keep the SGEMM version
+// head, with the scores written out between them, ran the attention at 80-95 GFLOP/s on an AVX-512 Xeon, as
+// SDPA does; this runs it 12-20% faster on the same machine (docs/results/benchmarks.md, 11th session). On an
+// AVX2 EPYC (Zen 3) the AVX2 loops took 0.93x the SGEMM version's time, about SDPA's (27th session). It needs
+// a head width that is a multiple of 16 up to 64; elsewhere callers keep the SGEMM version
 // (fused_attention_runs).
 #pragma once
 
@@ -24,7 +27,9 @@
 namespace visattn {
 
 // Whether fused_attend serves heads `d` wide on this CPU.
-inline bool fused_attention_runs(int64_t d) { return avx512_runs() && d > 0 && d <= 64 && d % kLanes == 0; }
+inline bool fused_attention_runs(int64_t d) {
+  return (avx512_runs() || avx2_fma_runs()) && d > 0 && d <= 64 && d % kLanes == 0;
+}
 
 // One (image, head): query i (i < m) is row q_rows[i] of q (row i without q_rows), d values, to which
 // q_bias (nullptr: none) is added; keys and values [N, d] with row strides k_ld / v_ld. Output row i,
@@ -71,20 +76,22 @@ struct AttendScratch {
 #if VISATTN_HAS_AVX512_CODE
 namespace fused {
 
-constexpr int kMaxQueries = 2 * kLanes;  // queries per tile
+// The pieces shared by both instruction sets take a vector type V of W floats (GCC's vector extension) and
+// are inlined into each set's own functions.
+template <typename V>
+constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
 
-// st[n][0 .. 16 NQ) = qt^T k[n] for keys n0 .. n0 + KR; mx: the columns' running maxima.
-template <int KR, int NQ>
-VISATTN_AVX512 VISATTN_INLINE void scores(const float* qt, int64_t d, const float* k, int64_t k_ld, int64_t n0,
-                                          float* st, lanes_t* mx) {
-  constexpr int QT = NQ * kLanes;
-  lanes_t acc[KR][NQ];
+// st[n][0 .. W NQ) = qt^T k[n] for keys n0 .. n0 + KR; mx: the columns' running maxima.
+template <int KR, int NQ, typename V>
+VISATTN_INLINE void scores(const float* qt, int64_t d, const float* k, int64_t k_ld, int64_t n0, float* st, V* mx) {
+  constexpr int W = kWidth<V>, QT = NQ * W;
+  V acc[KR][NQ];
   for (int r = 0; r < KR; ++r)
-    for (int j = 0; j < NQ; ++j) acc[r][j] = lanes_t{};
+    for (int j = 0; j < NQ; ++j) acc[r][j] = V{};
   const float* kr = k + n0 * k_ld;
   for (int64_t c = 0; c < d; ++c) {
-    lanes_t qv[NQ];
-    for (int j = 0; j < NQ; ++j) std::memcpy(&qv[j], qt + c * QT + j * kLanes, sizeof(lanes_t));
+    V qv[NQ];
+    for (int j = 0; j < NQ; ++j) std::memcpy(&qv[j], qt + c * QT + j * W, sizeof(V));
     for (int r = 0; r < KR; ++r) {
       const float key = kr[r * k_ld + c];
       for (int j = 0; j < NQ; ++j) acc[r][j] += key * qv[j];
@@ -92,12 +99,64 @@ VISATTN_AVX512 VISATTN_INLINE void scores(const float* qt, int64_t d, const floa
   }
   for (int r = 0; r < KR; ++r)
     for (int j = 0; j < NQ; ++j) {
-      std::memcpy(st + (n0 + r) * QT + j * kLanes, &acc[r][j], sizeof(lanes_t));
+      std::memcpy(st + (n0 + r) * QT + j * W, &acc[r][j], sizeof(V));
       mx[j] = mx[j] < acc[r][j] ? acc[r][j] : mx[j];  // a NaN score is not kept; its exp is NaN anyway
     }
 }
 
-// o[q0 + r][0 .. 16 DB) = sum_n st[n][q0 + r] v[n] for RQ queries.
+// st[n][.] <- exp(st[n][.] - mx) down each of the NQ columns of W queries; inv[q] = 1 / column q's sum, which
+// scales the query's output.
+template <int NQ, typename V>
+VISATTN_INLINE void exp_columns(float* st, int64_t N, const V* mx, float* inv) {
+  constexpr int W = kWidth<V>, QT = NQ * W;
+  for (int j = 0; j < NQ; ++j) {
+    V sum{};
+    for (int64_t n = 0; n < N; ++n) {
+      V s;
+      std::memcpy(&s, st + n * QT + j * W, sizeof(V));
+      s = exp_le0(s - mx[j]);
+      std::memcpy(st + n * QT + j * W, &s, sizeof(V));
+      sum += s;
+    }
+    const V r = (V{} + 1.f) / sum;
+    std::memcpy(inv + j * W, &r, sizeof(V));
+  }
+}
+
+inline void prefetch_rows(const NextRows& next, int64_t r0, int64_t r1) {
+  for (int s = 0; s < next.streams; ++s)
+    for (int64_t r = r0; r < r1; ++r) {
+      const char* row = next.base[s] + r * next.ld[s];
+      for (int64_t off = 0; off < next.bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    }
+}
+
+// idx[l] = the offset in p.q of query i0 + l, for the W NQ lanes of a tile (lanes past mq repeat the last
+// query: finite, never written out).
+template <int NQ, int W>
+VISATTN_INLINE void query_offsets(const AttendRows& p, int64_t i0, int mq, int32_t* idx) {
+  for (int l = 0; l < NQ * W; ++l) {
+    const int64_t i = i0 + std::min<int64_t>(l, mq - 1);
+    idx[l] = static_cast<int32_t>((p.q_rows ? p.q_rows[i] : i) * p.q_ld);
+  }
+}
+
+// Output row i0 + r (r < mq) of p <- (o_r / the row's sum + v_bias) * its gate, o_r = o[r * o_row + c * o_col].
+VISATTN_INLINE void write_gated(const AttendRows& p, int64_t i0, int mq, const float* o, int64_t o_row, int64_t o_col,
+                                const float* inv) {
+  for (int r = 0; r < mq; ++r) {
+    const int64_t i = i0 + r;
+    const float g = p.gates[(p.gate_rows ? p.gate_rows[i] : i) * p.gate_ld], s = inv[r];
+    float* out = p.out + (p.out_rows ? p.out_rows[i] : i) * p.out_ld;
+    const float* orow = o + r * o_row;
+    if (p.v_bias)
+      for (int64_t c = 0; c < p.d; ++c) out[c] = (orow[c * o_col] * s + p.v_bias[c]) * g;
+    else
+      for (int64_t c = 0; c < p.d; ++c) out[c] = orow[c * o_col] * (s * g);
+  }
+}
+
+// AVX-512. o[q0 + r][0 .. 16 DB) = sum_n st[n][q0 + r] v[n] for RQ queries.
 template <int RQ, int DB, int QT>
 VISATTN_AVX512 VISATTN_INLINE void weighted_values(const float* st, int64_t N, int q0, const float* v, int64_t v_ld,
                                                    float* o) {
@@ -116,16 +175,8 @@ VISATTN_AVX512 VISATTN_INLINE void weighted_values(const float* st, int64_t N, i
     for (int j = 0; j < DB; ++j) std::memcpy(o + ((q0 + r) * DB + j) * kLanes, &acc[r][j], sizeof(lanes_t));
 }
 
-inline void prefetch_rows(const NextRows& next, int64_t r0, int64_t r1) {
-  for (int s = 0; s < next.streams; ++s)
-    for (int64_t r = r0; r < r1; ++r) {
-      const char* row = next.base[s] + r * next.ld[s];
-      for (int64_t off = 0; off < next.bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
-    }
-}
-
-// Queries i0 .. i0 + mq (mq <= 16 NQ) of p: gathered, biased and scaled into the lanes of qt [d][16 NQ]
-// (lanes past mq repeat the last query: finite, never written out), scored, softmaxed, weighted.
+// Queries i0 .. i0 + mq (mq <= 16 NQ) of p: gathered, biased and scaled into the lanes of qt [d][16 NQ],
+// scored, softmaxed, weighted.
 template <int NQ, int DB>
 VISATTN_AVX512 void tile(const AttendRows& p, int64_t i0, int mq, float scale, AttendScratch& buf) {
   constexpr int QT = NQ * kLanes, KR = NQ == 2 ? 12 : 24;
@@ -133,13 +184,10 @@ VISATTN_AVX512 void tile(const AttendRows& p, int64_t i0, int mq, float scale, A
   const int64_t d = p.d, N = p.N;
   float *qt = buf.qt.data(), *st = buf.st.data(), *o = buf.o.data();
   const __m512 sc = _mm512_set1_ps(scale);
+  alignas(64) int32_t idx[QT];
+  query_offsets<NQ, kLanes>(p, i0, mq, idx);
   for (int j = 0; j < NQ; ++j) {
-    alignas(64) int32_t idx[kLanes];
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t i = i0 + std::min<int64_t>(j * kLanes + l, mq - 1);
-      idx[l] = static_cast<int32_t>((p.q_rows ? p.q_rows[i] : i) * p.q_ld);
-    }
-    const __m512i at = _mm512_load_si512(idx);
+    const __m512i at = _mm512_load_si512(idx + j * kLanes);
     for (int64_t c = 0; c < d; ++c) {
       __m512 qc = _mm512_i32gather_ps(at, p.q + c, 4);
       if (p.q_bias) qc = _mm512_add_ps(qc, _mm512_set1_ps(p.q_bias[c]));
@@ -152,42 +200,90 @@ VISATTN_AVX512 void tile(const AttendRows& p, int64_t i0, int mq, float scale, A
   for (; n0 + KR <= N; n0 += KR) scores<KR, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
   for (; n0 < N; ++n0) scores<1, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
   alignas(64) float inv[QT];
-  for (int j = 0; j < NQ; ++j) {  // exp(s - max) down each column; 1 / the column's sum scales the output
-    lanes_t sum{};
-    for (int64_t n = 0; n < N; ++n) {
-      lanes_t s;
-      std::memcpy(&s, st + n * QT + j * kLanes, sizeof(lanes_t));
-      s = exp_le0(s - mx[j]);
-      std::memcpy(st + n * QT + j * kLanes, &s, sizeof(lanes_t));
-      sum += s;
-    }
-    const lanes_t r = (lanes_t{} + 1.f) / sum;
-    std::memcpy(inv + j * kLanes, &r, sizeof(lanes_t));
-  }
+  exp_columns<NQ>(st, N, mx, inv);
   int q0 = 0;
   for (; q0 + RQ <= mq; q0 += RQ) weighted_values<RQ, DB, QT>(st, N, q0, p.v, p.v_ld, o);
   for (; q0 + 2 <= mq; q0 += 2) weighted_values<2, DB, QT>(st, N, q0, p.v, p.v_ld, o);
   for (; q0 < mq; ++q0) weighted_values<1, DB, QT>(st, N, q0, p.v, p.v_ld, o);
-  for (int r = 0; r < mq; ++r) {
-    const int64_t i = i0 + r;
-    const float g = p.gates[(p.gate_rows ? p.gate_rows[i] : i) * p.gate_ld], s = inv[r];
-    float* out = p.out + (p.out_rows ? p.out_rows[i] : i) * p.out_ld;
-    const float* orow = o + r * d;
-    if (p.v_bias)
-      for (int64_t c = 0; c < d; ++c) out[c] = (orow[c] * s + p.v_bias[c]) * g;
-    else
-      for (int64_t c = 0; c < d; ++c) out[c] = orow[c] * (s * g);
-  }
+  write_gated(p, i0, mq, o, d, 1, inv);
 }
 
 template <int DB>
 VISATTN_AVX512 void attend(const AttendRows& p, const NextRows& next, AttendScratch& buf) {
+  constexpr int kMaxQueries = 2 * kLanes;
   const float scale = 1.f / std::sqrt(static_cast<float>(p.d));
   for (int64_t i0 = 0; i0 < p.m; i0 += kMaxQueries) {
     const int mq = static_cast<int>(std::min<int64_t>(kMaxQueries, p.m - i0));
     prefetch_rows(next, next.rows * i0 / p.m, next.rows * (i0 + mq) / p.m);  // spread over the tiles
     if (mq > kLanes) tile<2, DB>(p, i0, mq, scale, buf);
     else tile<1, DB>(p, i0, mq, scale, buf);
+  }
+}
+
+// AVX2. ot[c][0 .. 8 NQ) = sum_n v[n][c] st[n][0 .. 8 NQ) for the head's values c0 .. c0 + KC: the queries in
+// the lanes, as in scores (with the queries as rows, 16 rows did not split into blocks that fill the registers).
+template <int KC, int NQ>
+VISATTN_AVX2 VISATTN_INLINE void weighted_values_t(const float* st, int64_t N, const float* v, int64_t v_ld,
+                                                   int64_t c0, float* ot) {
+  constexpr int QT = NQ * 8;
+  lanes8_t acc[KC][NQ];
+  for (int r = 0; r < KC; ++r)
+    for (int j = 0; j < NQ; ++j) acc[r][j] = lanes8_t{};
+  for (int64_t n = 0; n < N; ++n) {
+    lanes8_t pv[NQ];
+    for (int j = 0; j < NQ; ++j) std::memcpy(&pv[j], st + n * QT + j * 8, sizeof(lanes8_t));
+    const float* vr = v + n * v_ld + c0;
+    for (int r = 0; r < KC; ++r) {
+      const float x = vr[r];
+      for (int j = 0; j < NQ; ++j) acc[r][j] += x * pv[j];
+    }
+  }
+  for (int r = 0; r < KC; ++r)
+    for (int j = 0; j < NQ; ++j) std::memcpy(ot + (c0 + r) * QT + j * 8, &acc[r][j], sizeof(lanes8_t));
+}
+
+// Queries i0 .. i0 + mq (mq <= 8 NQ), as tile: 2 NQ * R accumulators of the 16 registers, R = 6 keys (values)
+// at a time, and 4 then 2 then 1 for the rest (one at a time, 2 NQ chains of FMAs wait on their latency).
+template <int NQ>
+VISATTN_AVX2 void tile8(const AttendRows& p, int64_t i0, int mq, float scale, AttendScratch& buf) {
+  constexpr int W = 8, QT = NQ * W, R = NQ == 2 ? 6 : 12;
+  const int64_t d = p.d, N = p.N;
+  float *qt = buf.qt.data(), *st = buf.st.data(), *ot = buf.o.data();
+  const __m256 sc = _mm256_set1_ps(scale);
+  alignas(32) int32_t idx[QT];
+  query_offsets<NQ, W>(p, i0, mq, idx);
+  for (int j = 0; j < NQ; ++j) {
+    const __m256i at = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + j * W));
+    for (int64_t c = 0; c < d; ++c) {
+      __m256 qc = _mm256_i32gather_ps(p.q + c, at, 4);
+      if (p.q_bias) qc = _mm256_add_ps(qc, _mm256_set1_ps(p.q_bias[c]));
+      _mm256_storeu_ps(qt + c * QT + j * W, _mm256_mul_ps(qc, sc));
+    }
+  }
+  lanes8_t mx[NQ];
+  for (int j = 0; j < NQ; ++j) mx[j] = lanes8_t{} - 3.0e38f;
+  int64_t n0 = 0;
+  for (; n0 + R <= N; n0 += R) scores<R, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
+  for (; n0 + 4 <= N; n0 += 4) scores<4, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
+  for (; n0 + 2 <= N; n0 += 2) scores<2, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
+  for (; n0 < N; ++n0) scores<1, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
+  alignas(32) float inv[QT];
+  exp_columns<NQ>(st, N, mx, inv);
+  int64_t c0 = 0;
+  for (; c0 + R <= d; c0 += R) weighted_values_t<R, NQ>(st, N, p.v, p.v_ld, c0, ot);
+  for (; c0 + 4 <= d; c0 += 4) weighted_values_t<4, NQ>(st, N, p.v, p.v_ld, c0, ot);
+  for (; c0 < d; ++c0) weighted_values_t<1, NQ>(st, N, p.v, p.v_ld, c0, ot);
+  write_gated(p, i0, mq, ot, 1, QT, inv);
+}
+
+VISATTN_AVX2 inline void attend8(const AttendRows& p, const NextRows& next, AttendScratch& buf) {
+  constexpr int kMaxQueries = 16;
+  const float scale = 1.f / std::sqrt(static_cast<float>(p.d));
+  for (int64_t i0 = 0; i0 < p.m; i0 += kMaxQueries) {
+    const int mq = static_cast<int>(std::min<int64_t>(kMaxQueries, p.m - i0));
+    prefetch_rows(next, next.rows * i0 / p.m, next.rows * (i0 + mq) / p.m);
+    if (mq > 8) tile8<2>(p, i0, mq, scale, buf);
+    else tile8<1>(p, i0, mq, scale, buf);
   }
 }
 
@@ -200,9 +296,11 @@ inline void fused_attend(const AttendRows& p, const NextRows& next, AttendScratc
     fused::prefetch_rows(next, 0, next.rows);
     return;
   }
-  buf.qt.resize(p.d * fused::kMaxQueries);
-  buf.st.resize(p.N * fused::kMaxQueries);
-  buf.o.resize(fused::kMaxQueries * p.d);
+  constexpr int64_t kMaxQueries = 2 * kLanes;  // AVX-512's tile, the larger
+  buf.qt.resize(p.d * kMaxQueries);
+  buf.st.resize(p.N * kMaxQueries);
+  buf.o.resize(kMaxQueries * p.d);
+  if (!avx512_runs()) return fused::attend8(p, next, buf);
   switch (p.d / kLanes) {
     case 1: fused::attend<1>(p, next, buf); break;
     case 2: fused::attend<2>(p, next, buf); break;

@@ -8,8 +8,9 @@
 // The GEMMs are MKL's (SGEMM, cblas_gemm_bf16bf16f32), which x86 builds of libtorch_cpu export. They
 // are looked up at run time, so the library loads on any build; moh_routed_blas(dtype) says whether
 // the dtype's GEMM was found, and the Python side keeps the PyTorch paths where it was not. In float32,
-// with `fused` and an AVX-512 CPU, the attention between the two GEMMs runs in fused_attention.h's loops
-// instead of two more (and so does moh_routed_attention's). With `small_gemm` (float32, the loops path),
+// with `fused` on a CPU with AVX-512 or AVX2 and FMA, the attention between the two GEMMs runs in
+// fused_attention.h's loops instead of two more (and so does moh_routed_attention's); with AVX-512 the two
+// GEMMs run in row_gemm.h's. With `small_gemm` (float32, the loops path),
 // the attention's GEMMs are loops here instead (at the study's
 // sizes, 12-wide heads and 17-49 tokens, a BLAS call costs more than its few thousand multiply-adds) and
 // the query and output projections are ATen matmuls over every (token, head) pair (heads_loops).
@@ -222,6 +223,9 @@ struct Heads {
   // W_O columns packed [heads, d, Co], heads from first_head on
   bool fused = false;
   const float *wq_t = nullptr, *wo_t = nullptr;
+  // float32 where fused_attention.h runs but row_gemm.h does not: heads_blas's attention in its loops, the
+  // projections MKL's
+  bool attend_fused = false;
 
   Heads(const at::Tensor& x_, const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_b, const at::Tensor& proj_w,
         const at::Tensor& k_, const at::Tensor& v_, const c10::optional<at::Tensor>& v_bias,
@@ -336,6 +340,19 @@ void heads_blas(const Heads<T>& p) {
         // attention against every key of the image (N is at most a few hundred: one block, one pass)
         const int64_t kvh = h / p.group;
         o_gated.resize(m * d);
+        if constexpr (std::is_same_v<T, float>) {
+          if (p.attend_fused) {  // the gated outputs straight into o_gated
+            buffers.rows32.assign(rows.begin(), rows.end());
+            const visattn::AttendRows a{m, N, d, q.data(), d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh),
+                                        p.k_stride[2], p.v_stride[2], p.value_bias(h), p.gates + b * N * p.H + h, p.H,
+                                        buffers.rows32.data(), o_gated.data(), d, nullptr};
+            visattn::fused_attend(a, visattn::NextRows{}, buffers.attention);
+            r.resize(m * Co);
+            gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
+            add_rows(sum, r.data(), rows.data(), m, Co);
+            continue;
+          }
+        }
         s.resize(m * N);
         gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
         o.resize(m * d);
@@ -377,7 +394,7 @@ void heads_blas(const Heads<T>& p) {
 // tokens that did not choose the head are set to 0. z may be q itself: a pair's query is read before the
 // pair's output is written, and by no other pair. q: [T, >= H*d] (row stride q_ld); k/v: [B, Hkv, N, d];
 // q_bias [H*d] and v_bias [Hkv*d] may be nullptr (v_bias: v computed without it). With `fused`
-// (fused_attention_runs) in AVX-512 registers (fused_attention.h), else through MKL's GEMMs.
+// (fused_attention_runs) in vector registers (fused_attention.h), else through MKL's GEMMs.
 void heads_attention(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t d, int64_t S, int64_t first_head,
                      const float* q, int64_t q_ld, const float* q_bias, const at::Tensor& k, const at::Tensor& v,
                      const float* v_bias, const bool* mask, const float* gates, float* z, int64_t z_ld, bool fused) {
@@ -631,8 +648,12 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
   if (dtype == at::kFloat) {
     Heads<float> heads(x, qkv_w, qkv_b, proj_w, k, v, v_bias, routed_mask, gates, S, first_head, out, out_bias);
     at::Tensor wq_t, wo_t;
-    heads.fused = !small_gemm && fused && visattn::fused_attention_runs(heads.d) && heads.Co % visattn::kLanes == 0 &&
-                  heads.H > first_head;
+    // row_gemm.h is AVX-512 code. On an AVX2 EPYC (Zen 3) a port of it made this op at DiT-B/2 sizes 1.10-1.17x
+    // slower than with MKL's GEMMs with a third of the routed pairs on (0.96x with 90%; 27th session), so there
+    // the attention alone runs in fused_attention.h's loops.
+    heads.fused = !small_gemm && fused && visattn::fused_attention_runs(heads.d) && visattn::avx512_runs() &&
+                  heads.Co % visattn::kLanes == 0 && heads.H > first_head;
+    heads.attend_fused = !small_gemm && fused && visattn::fused_attention_runs(heads.d);
     if (heads.fused) {
       const int64_t Hr = heads.H - first_head, d = heads.d;
       wq_t = qkv_w.narrow(0, first_head * d, Hr * d).view({Hr, d, heads.C}).transpose(1, 2).contiguous();
@@ -653,7 +674,7 @@ void moh_routed_heads(const at::Tensor& x, const at::Tensor& qkv_w, const c10::o
 // None, k/v [B, Hkv, N, d] (unit last stride), v_bias [Hkv*d] or None (v computed without it),
 // routed_mask [E, T] bool, gates [T, H] float32, z [T, H*d] (unit column stride; it may be q itself): its
 // columns of heads >= first_head are written (gated outputs, 0 where a pair is off). float32. With `fused`
-// (the default) the attention runs in fused_attention.h's AVX-512 loops where this CPU and head width allow
+// (the default) the attention runs in fused_attention.h's loops where this CPU and head width allow
 // (moh_fused_attention), else through MKL's SGEMM (check moh_routed_blas); the tests run both. Without
 // `zero_off` the bfloat16 version leaves the pairs that are off as they were, for a caller that does not
 // read them (routed_kernel_grouped); float32 writes their 0 regardless.

@@ -19,8 +19,9 @@
 // x86-64-v3 one. Four clones of small_attention's backward took over 7 minutes to compile on a 2-core machine.
 #define VISATTN_SIMD_CLONES_V3 __attribute__((target_clones("arch=x86-64-v3", "default")))
 // For code written for AVX-512 registers alone (fused_attention.h, row_gemm.h): call it only where
-// avx512_runs().
+// avx512_runs(). For code written for AVX2 registers with FMA (fused_attention.h): only where avx2_fma_runs().
 #define VISATTN_AVX512 __attribute__((target("avx512f,fma")))
+#define VISATTN_AVX2 __attribute__((target("avx2,fma")))
 #define VISATTN_HAS_AVX512_CODE 1
 #else
 #define VISATTN_SIMD_CLONES
@@ -82,6 +83,16 @@ inline bool avx512_runs() {
     if (avx2_only && std::strcmp(avx2_only, "1") == 0) return false;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
   }();
+  return runs;
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU runs the VISATTN_AVX2 code: AVX2 and FMA, which every CPU with AVX-512 has too.
+inline bool avx2_fma_runs() {
+#if VISATTN_HAS_AVX512_CODE
+  static const bool runs = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return runs;
 #else
   return false;
