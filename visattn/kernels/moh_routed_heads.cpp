@@ -298,6 +298,24 @@ void fused_head(const Heads<float>& p, int64_t b, int64_t b_end, int64_t h, cons
   visattn::row_gemm(m, Co, d, buf.o_gated.data(), d, nullptr, p.wo_t + packed * d * Co, Co, sum, Co, rows.data(), true);
 }
 
+// Head h's attention for image b's tokens `rows`, gated, into o_gated [m, d] in fused_attention.h's loops, where
+// p.attend_fused (float32); false where it did nothing. q: the tokens' queries [m, d] with their bias.
+template <typename T>
+bool gated_attention_in_loops(const Heads<T>& p, int64_t b, int64_t h, const std::vector<int64_t>& rows, const T* q,
+                              T* o_gated, FusedBuffers& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!p.attend_fused) return false;
+    const int64_t N = p.N, m = static_cast<int64_t>(rows.size()), kvh = h / p.group;
+    buf.rows32.assign(rows.begin(), rows.end());
+    const visattn::AttendRows a{m, N, p.d, q, p.d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh), p.k_stride[2],
+                                p.v_stride[2], p.value_bias(h), p.gates + b * N * p.H + h, p.H, buf.rows32.data(),
+                                o_gated, p.d, nullptr};
+    visattn::fused_attend(a, visattn::NextRows{}, buf.attention);
+    return true;
+  }
+  return false;
+}
+
 // Through MKL's GEMMs, one image at a time (its output rows stay in cache while every head adds to
 // them). Gathering several images per head for larger GEMMs measured no faster.
 template <typename T>
@@ -340,42 +358,31 @@ void heads_blas(const Heads<T>& p) {
         // attention against every key of the image (N is at most a few hundred: one block, one pass)
         const int64_t kvh = h / p.group;
         o_gated.resize(m * d);
-        if constexpr (std::is_same_v<T, float>) {
-          if (p.attend_fused) {  // the gated outputs straight into o_gated
-            buffers.rows32.assign(rows.begin(), rows.end());
-            const visattn::AttendRows a{m, N, d, q.data(), d, nullptr, nullptr, p.keys(b, kvh), p.values(b, kvh),
-                                        p.k_stride[2], p.v_stride[2], p.value_bias(h), p.gates + b * N * p.H + h, p.H,
-                                        buffers.rows32.data(), o_gated.data(), d, nullptr};
-            visattn::fused_attend(a, visattn::NextRows{}, buffers.attention);
-            r.resize(m * Co);
-            gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
-            add_rows(sum, r.data(), rows.data(), m, Co);
-            continue;
+        if (!gated_attention_in_loops(p, b, h, rows, q.data(), o_gated.data(), buffers)) {
+          s.resize(m * N);
+          gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
+          o.resize(m * d);
+          inv.assign(m, 1.f);
+          if constexpr (std::is_same_v<T, float>) {
+            // exp(s - max) @ V, each row then scaled by 1 / its sum with the gate
+            for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
+            gemm(false, m, d, N, 1.f, s.data(), N, p.values(b, kvh), ldv, o.data(), d);
+          } else {  // the probabilities rounded to T, as SDPA's bf16 output of the masked dense path is
+            probs.resize(m * N);
+            for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
+            for (int64_t i = 0; i < m * N; ++i) probs[i] = static_cast<T>(s[i]);
+            gemm(false, m, d, N, 1.f, probs.data(), N, p.values(b, kvh), ldv, o.data(), d);
           }
-        }
-        s.resize(m * N);
-        gemm(true, m, N, d, scale, q.data(), d, p.keys(b, kvh), ldk, s.data(), N);
-        o.resize(m * d);
-        inv.assign(m, 1.f);
-        if constexpr (std::is_same_v<T, float>) {
-          // exp(s - max) @ V, each row then scaled by 1 / its sum with the gate
-          for (int64_t i = 0; i < m; ++i) inv[i] = exp_row(&s[i * N], N);
-          gemm(false, m, d, N, 1.f, s.data(), N, p.values(b, kvh), ldv, o.data(), d);
-        } else {  // the probabilities rounded to T, as SDPA's bf16 output of the masked dense path is
-          probs.resize(m * N);
-          for (int64_t i = 0; i < m; ++i) softmax_row(&s[i * N], N);
-          for (int64_t i = 0; i < m * N; ++i) probs[i] = static_cast<T>(s[i]);
-          gemm(false, m, d, N, 1.f, probs.data(), N, p.values(b, kvh), ldv, o.data(), d);
-        }
-        // gate (cast to T first, as the dense path multiplies in T), then W_O[:, h] -> [m, Co], added
-        const float* bv = p.value_bias(h);
-        for (int64_t i = 0; i < m; ++i) {
-          const float g = round_to<T>(p.gate(b, rows[i], h));
-          if (bv)  // float32 only
-            for (int64_t c = 0; c < d; ++c) o_gated[i * d + c] = static_cast<T>((o[i * d + c] * inv[i] + bv[c]) * g);
-          else
-            for (int64_t c = 0; c < d; ++c)
-              o_gated[i * d + c] = static_cast<T>(round_to<T>(o[i * d + c]) * (g * inv[i]));
+          // gate (cast to T first, as the dense path multiplies in T), then W_O[:, h] -> [m, Co], added
+          const float* bv = p.value_bias(h);
+          for (int64_t i = 0; i < m; ++i) {
+            const float g = round_to<T>(p.gate(b, rows[i], h));
+            if (bv)  // float32 only
+              for (int64_t c = 0; c < d; ++c) o_gated[i * d + c] = static_cast<T>((o[i * d + c] * inv[i] + bv[c]) * g);
+            else
+              for (int64_t c = 0; c < d; ++c)
+                o_gated[i * d + c] = static_cast<T>(round_to<T>(o[i * d + c]) * (g * inv[i]));
+          }
         }
         r.resize(m * Co);
         gemm(true, m, Co, d, 1.f, o_gated.data(), d, p.wo + h * d, static_cast<int>(p.ldwo), r.data(), Co);
