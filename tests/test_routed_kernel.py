@@ -279,7 +279,7 @@ def test_the_fused_attention_runs_where_the_cpu_has_avx2_and_fma():
 
 # Run with VISATTN_KERNELS_AVX2=1: every kernel path of a MoH layer against masked dense, in inference and
 # (routed_kernel_loops) training; heads 12 wide over 17 tokens (exp_row's short rows, small_gemm's narrow
-# blocks) and 64 wide over 70 tokens (rows past 64; the AVX2 loops of fused_attention.h and row_gemm.h).
+# blocks) and 64 wide over 70 tokens (rows past 64; the AVX2 loops of fused_attention.h).
 AVX2_SCRIPT = """
 import torch
 import visattn.kernels as kernels
@@ -321,7 +321,7 @@ print("checked", len(checked))
 
 def test_the_avx2_code_equals_masked_dense_on_any_cpu(kernel):
     """The kernels' code for CPUs without AVX-512 (eight-float exp_row and small_gemm, the AVX2 loops of
-    fused_attention.h and row_gemm.h), forced with VISATTN_KERNELS_AVX2=1 in a fresh process (the choice
+    fused_attention.h, MKL's projections in routed_kernel), forced with VISATTN_KERNELS_AVX2=1 in a fresh process (the choice
     is made once per process), so that an AVX-512 machine checks it too."""
     env = {**os.environ, kernels.AVX2_ONLY_ENV: "1"}
     script = f"FMA_VECTORS = {_cpu_has_fma_vectors()}\n" + AVX2_SCRIPT

@@ -42,8 +42,8 @@ In float32 and for heads 16-64 wide, the kernel calls MKL less:
   ``routed_kernel_dense`` runs in loops of its own (``visattn/kernels/fused_attention.h``: scores, softmax
   and values per tile of 32 queries (AVX2: 16) in registers and L1, the next head's rows prefetched): on an
   AVX-512 Xeon 0.80-0.88x the time of MKL's two GEMMs per image and head, which ran as fast as SDPA does; on
-  an AVX2 EPYC (Zen 3) 0.92-0.93x, about SDPA's time. ``routed_kernel``'s shared heads take it too, instead
-  of SDPA;
+  an AVX2 EPYC (Zen 3) 0.89-0.94x, and 0.89-0.93x SDPA's. ``routed_kernel``'s shared heads take it too,
+  instead of SDPA;
 - with AVX-512, ``routed_kernel``'s per-head projections read x's chosen rows in place and add the heads'
   outputs into their rows in the same pass (``row_gemm.h``): 105-139 GFLOP/s against 81-91 for MKL's GEMMs
   with the row copies around them.
@@ -235,7 +235,7 @@ def _shared_heads_fused(
     head shared) instead of SDPA, where they run (float32 on a CPU with AVX-512, or AVX2 and FMA, heads
     16-64 wide, the shared queries from the one matmul with their bias, whole groups of key/value heads):
     on an AVX-512 Xeon they took 0.80-0.88x the time of MKL's GEMMs, which ran as fast as SDPA (11th
-    session); on an AVX2 EPYC about SDPA's time (27th). False where it did
+    session); on an AVX2 EPYC 0.89-0.93x SDPA's time (27th). False where it did
     nothing. q: [B, N, shared * d] (a view of the matmul's output; the heads' outputs overwrite it), k/v:
     [B, Hkv, N, d], v_bias: the values' bias [Hkv * d] when v came without it, gates: [B, N, H]; appends
     [B * N, dim_out] rows to ``out``, without the output's bias (in float32 the kernel adds it)."""
