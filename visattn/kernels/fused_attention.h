@@ -4,14 +4,16 @@
 // next (image, head)'s queries, keys, values and output rows are prefetched into L2 while this one computes.
 // - AVX-512: tiles of 32 queries, P @ V with the queries as rows.
 // - AVX2 with FMA (16 registers of 8 floats): tiles of 16 queries, scores 6 keys at a time, P @ V with the
-//   queries in the lanes as well (6 of the head's values at a time), so no tile leaves rows over.
+//   queries in the lanes as well (6 of the head's values at a time), so no tile leaves rows over. The queries
+//   are read in whole rows and transposed into the lanes in registers, and the outputs transposed back the
+//   same way.
 //
 // Why not MKL: at ViT-S / DiT-B/2 sizes (197-256 tokens, 64-wide heads) the two SGEMM calls per image and
 // head, with the scores written out between them, ran the attention at 80-95 GFLOP/s on an AVX-512 Xeon, as
 // SDPA does; this runs it 12-20% faster on the same machine (docs/results/benchmarks.md, 11th session). On an
-// AVX2 EPYC (Zen 3) the AVX2 loops took 0.93x the SGEMM version's time, about SDPA's (27th session). It needs
-// a head width that is a multiple of 16 up to 64; elsewhere callers keep the SGEMM version
-// (fused_attention_runs).
+// AVX2 EPYC (Zen 3) the AVX2 loops took 0.89-0.94x the SGEMM version's time and 0.89-0.93x SDPA's (27th
+// session), with the queries then gathered lane by lane. It needs a head width that is a multiple of 16 up to
+// 64; elsewhere callers keep the SGEMM version (fused_attention_runs).
 #pragma once
 
 #include <immintrin.h>
@@ -131,28 +133,27 @@ inline void prefetch_rows(const NextRows& next, int64_t r0, int64_t r1) {
     }
 }
 
-// idx[l] = the offset in p.q of query i0 + l, for the W NQ lanes of a tile (lanes past mq repeat the last
-// query: finite, never written out).
-template <int NQ, int W>
+// AVX-512. idx[l] = the offset in p.q of query i0 + l, for the 16 NQ lanes of a tile (lanes past mq repeat the
+// last query: finite, never written out).
+template <int NQ>
 VISATTN_INLINE void query_offsets(const AttendRows& p, int64_t i0, int mq, int32_t* idx) {
-  for (int l = 0; l < NQ * W; ++l) {
+  for (int l = 0; l < NQ * kLanes; ++l) {
     const int64_t i = i0 + std::min<int64_t>(l, mq - 1);
     idx[l] = static_cast<int32_t>((p.q_rows ? p.q_rows[i] : i) * p.q_ld);
   }
 }
 
-// Output row i0 + r (r < mq) of p <- (o_r / the row's sum + v_bias) * its gate, o_r = o[r * o_row + c * o_col].
-VISATTN_INLINE void write_gated(const AttendRows& p, int64_t i0, int mq, const float* o, int64_t o_row, int64_t o_col,
-                                const float* inv) {
+// AVX-512. Output row i0 + r (r < mq) of p <- (o[r] / the row's sum + v_bias) * its gate, o: [mq][d].
+VISATTN_INLINE void write_gated(const AttendRows& p, int64_t i0, int mq, const float* o, const float* inv) {
   for (int r = 0; r < mq; ++r) {
     const int64_t i = i0 + r;
     const float g = p.gates[(p.gate_rows ? p.gate_rows[i] : i) * p.gate_ld], s = inv[r];
     float* out = p.out + (p.out_rows ? p.out_rows[i] : i) * p.out_ld;
-    const float* orow = o + r * o_row;
+    const float* orow = o + r * p.d;
     if (p.v_bias)
-      for (int64_t c = 0; c < p.d; ++c) out[c] = (orow[c * o_col] * s + p.v_bias[c]) * g;
+      for (int64_t c = 0; c < p.d; ++c) out[c] = (orow[c] * s + p.v_bias[c]) * g;
     else
-      for (int64_t c = 0; c < p.d; ++c) out[c] = orow[c * o_col] * (s * g);
+      for (int64_t c = 0; c < p.d; ++c) out[c] = orow[c] * (s * g);
   }
 }
 
@@ -185,7 +186,7 @@ VISATTN_AVX512 void tile(const AttendRows& p, int64_t i0, int mq, float scale, A
   float *qt = buf.qt.data(), *st = buf.st.data(), *o = buf.o.data();
   const __m512 sc = _mm512_set1_ps(scale);
   alignas(64) int32_t idx[QT];
-  query_offsets<NQ, kLanes>(p, i0, mq, idx);
+  query_offsets<NQ>(p, i0, mq, idx);
   for (int j = 0; j < NQ; ++j) {
     const __m512i at = _mm512_load_si512(idx + j * kLanes);
     for (int64_t c = 0; c < d; ++c) {
@@ -205,7 +206,7 @@ VISATTN_AVX512 void tile(const AttendRows& p, int64_t i0, int mq, float scale, A
   for (; q0 + RQ <= mq; q0 += RQ) weighted_values<RQ, DB, QT>(st, N, q0, p.v, p.v_ld, o);
   for (; q0 + 2 <= mq; q0 += 2) weighted_values<2, DB, QT>(st, N, q0, p.v, p.v_ld, o);
   for (; q0 < mq; ++q0) weighted_values<1, DB, QT>(st, N, q0, p.v, p.v_ld, o);
-  write_gated(p, i0, mq, o, d, 1, inv);
+  write_gated(p, i0, mq, o, inv);
 }
 
 template <int DB>
@@ -242,24 +243,87 @@ VISATTN_AVX2 VISATTN_INLINE void weighted_values_t(const float* st, int64_t N, c
     for (int j = 0; j < NQ; ++j) std::memcpy(ot + (c0 + r) * QT + j * 8, &acc[r][j], sizeof(lanes8_t));
 }
 
+// AVX2. r[0 .. 8) <- its transpose: r[l][c] = the old r[c][l].
+VISATTN_AVX2 VISATTN_INLINE void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// qt[c][l] = (q row of lane l + q_bias)[c] * scale for the 8 NQ lanes of the tile at i0: 8 rows at a time read
+// whole and transposed in registers. A lane gather per column (vgatherdps) took 10% of the attention's time at
+// DiT-B/2 on a Zen 3, these 5% (28th session).
+template <int NQ>
+VISATTN_AVX2 VISATTN_INLINE void load_queries8(const AttendRows& p, int64_t i0, int mq, float scale, float* qt) {
+  constexpr int QT = NQ * 8;
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int j = 0; j < NQ; ++j) {
+    const float* rows[8];
+    for (int l = 0; l < 8; ++l) {
+      const int64_t i = i0 + std::min(j * 8 + l, mq - 1);  // lanes past mq repeat the last query
+      rows[l] = p.q + (p.q_rows ? p.q_rows[i] : i) * p.q_ld;
+    }
+    for (int64_t c = 0; c < p.d; c += 8) {
+      __m256 r[8];
+      const __m256 bias = p.q_bias ? _mm256_loadu_ps(p.q_bias + c) : _mm256_setzero_ps();
+      for (int l = 0; l < 8; ++l) r[l] = _mm256_add_ps(_mm256_loadu_ps(rows[l] + c), bias);
+      transpose8(r);
+      for (int l = 0; l < 8; ++l) _mm256_storeu_ps(qt + (c + l) * QT + j * 8, _mm256_mul_ps(r[l], sc));
+    }
+  }
+}
+
+// write_gated for ot [d][8 NQ] (the queries in the lanes), 8 x 8 blocks transposed in registers.
+template <int NQ>
+VISATTN_AVX2 VISATTN_INLINE void write_gated8(const AttendRows& p, int64_t i0, int mq, const float* ot,
+                                              const float* inv) {
+  constexpr int QT = NQ * 8;
+  for (int j = 0; j < NQ && j * 8 < mq; ++j) {
+    const int rows = std::min(8, mq - j * 8);
+    float* out[8];
+    __m256 scale[8], gate[8];
+    for (int l = 0; l < rows; ++l) {
+      const int64_t i = i0 + j * 8 + l;
+      out[l] = p.out + (p.out_rows ? p.out_rows[i] : i) * p.out_ld;
+      const float g = p.gates[(p.gate_rows ? p.gate_rows[i] : i) * p.gate_ld], s = inv[j * 8 + l];
+      scale[l] = _mm256_set1_ps(p.v_bias ? s : s * g);
+      gate[l] = _mm256_set1_ps(g);
+    }
+    for (int64_t c = 0; c < p.d; c += 8) {
+      __m256 r[8];
+      for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_ps(ot + (c + l) * QT + j * 8);
+      transpose8(r);
+      if (p.v_bias) {
+        const __m256 vb = _mm256_loadu_ps(p.v_bias + c);
+        for (int l = 0; l < rows; ++l)
+          _mm256_storeu_ps(out[l] + c, _mm256_mul_ps(_mm256_fmadd_ps(r[l], scale[l], vb), gate[l]));
+      } else {
+        for (int l = 0; l < rows; ++l) _mm256_storeu_ps(out[l] + c, _mm256_mul_ps(r[l], scale[l]));
+      }
+    }
+  }
+}
+
 // Queries i0 .. i0 + mq (mq <= 8 NQ), as tile: 2 NQ * R accumulators of the 16 registers, R = 6 keys (values)
 // at a time, and 4 then 2 then 1 for the rest (one at a time, 2 NQ chains of FMAs wait on their latency).
 template <int NQ>
 VISATTN_AVX2 void tile8(const AttendRows& p, int64_t i0, int mq, float scale, AttendScratch& buf) {
-  constexpr int W = 8, QT = NQ * W, R = NQ == 2 ? 6 : 12;
+  constexpr int R = NQ == 2 ? 6 : 12;
   const int64_t d = p.d, N = p.N;
   float *qt = buf.qt.data(), *st = buf.st.data(), *ot = buf.o.data();
-  const __m256 sc = _mm256_set1_ps(scale);
-  alignas(32) int32_t idx[QT];
-  query_offsets<NQ, W>(p, i0, mq, idx);
-  for (int j = 0; j < NQ; ++j) {
-    const __m256i at = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + j * W));
-    for (int64_t c = 0; c < d; ++c) {
-      __m256 qc = _mm256_i32gather_ps(p.q + c, at, 4);
-      if (p.q_bias) qc = _mm256_add_ps(qc, _mm256_set1_ps(p.q_bias[c]));
-      _mm256_storeu_ps(qt + c * QT + j * W, _mm256_mul_ps(qc, sc));
-    }
-  }
+  load_queries8<NQ>(p, i0, mq, scale, qt);
   lanes8_t mx[NQ];
   for (int j = 0; j < NQ; ++j) mx[j] = lanes8_t{} - 3.0e38f;
   int64_t n0 = 0;
@@ -267,13 +331,13 @@ VISATTN_AVX2 void tile8(const AttendRows& p, int64_t i0, int mq, float scale, At
   for (; n0 + 4 <= N; n0 += 4) scores<4, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
   for (; n0 + 2 <= N; n0 += 2) scores<2, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
   for (; n0 < N; ++n0) scores<1, NQ>(qt, d, p.k, p.k_ld, n0, st, mx);
-  alignas(32) float inv[QT];
+  alignas(32) float inv[8 * NQ];
   exp_columns<NQ>(st, N, mx, inv);
   int64_t c0 = 0;
   for (; c0 + R <= d; c0 += R) weighted_values_t<R, NQ>(st, N, p.v, p.v_ld, c0, ot);
   for (; c0 + 4 <= d; c0 += 4) weighted_values_t<4, NQ>(st, N, p.v, p.v_ld, c0, ot);
   for (; c0 < d; ++c0) weighted_values_t<1, NQ>(st, N, p.v, p.v_ld, c0, ot);
-  write_gated(p, i0, mq, ot, 1, QT, inv);
+  write_gated8<NQ>(p, i0, mq, ot, inv);
 }
 
 VISATTN_AVX2 inline void attend8(const AttendRows& p, const NextRows& next, AttendScratch& buf) {
