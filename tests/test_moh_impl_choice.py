@@ -201,9 +201,13 @@ class ScriptedRounds:
         (0.50, 0.50, 10, "routed_kernel", 2 + 5 + 10),  # a clear win, rechecked too: it holds
         (0.50, 1.03, 10, "masked_dense", 2 + 5 + 10),  # a clear win in five rounds that turns slower
         (0.97, 1.03, 0, "routed_kernel", 2 + 5),  # confirm=0: the five rounds decide
+        (1.01, 0.93, 10, "routed_kernel", 2 + 5 + 10),  # a near miss, rechecked: faster over all its rounds
+        (1.01, 1.01, 10, "masked_dense", 2 + 5 + 10),  # a near miss that holds
+        (1.05, 0.93, 10, "masked_dense", 2 + 5),  # a clear loss is not timed again
+        (1.01, 0.93, 0, "masked_dense", 2 + 5),  # confirm=0: the five rounds decide
     ],
 )
-def test_a_win_is_timed_again_against_masked_dense(early, late, confirm, chosen, kernel_calls):
+def test_a_close_call_is_timed_again_against_masked_dense(early, late, confirm, chosen, kernel_calls):
     m = _moh()
     with torch.no_grad():  # as the probe runs it
         if "routed_kernel" not in m.paths or not kernel_path_runs(m, torch.randn(2, 9, 32), "routed_kernel"):
@@ -214,8 +218,8 @@ def test_a_win_is_timed_again_against_masked_dense(early, late, confirm, chosen,
     choice = m.path_log["[2, 9, 32] float32"]
     assert choice.path == chosen and timer.calls.count("routed_kernel") == kernel_calls
     assert timer.calls.count("masked_dense") == kernel_calls  # timed beside it, round for round
-    if kernel_calls > 7:  # the record covers every round the decision read
-        assert choice.ratios["routed_kernel"] == pytest.approx(late if late > early else early)
+    if kernel_calls > 7:  # the record covers every round the decision read: 5 early and 10 late, so the late median
+        assert choice.ratios["routed_kernel"] == pytest.approx(late)
 
 
 def test_every_path_that_beat_the_reference_is_timed_again_and_the_pick_made_over_all_rounds():

@@ -21,9 +21,10 @@ timed rounds. The reference path (masked dense) is kept unless another path's ti
 the reference's, round by round, has a median below ``1 - margin`` and that path was also faster in most
 rounds (``pick_path``), so noise, and a machine whose speed drifts during the probe, cannot easily trade it
 for a path that is really slower. Where a path wins, it, the reference and every other path that beat the
-reference are timed for ``confirm`` rounds more and the pick is made again over all their rounds. A probe
-costs about (2 + repeats) forwards of each competitive path (and confirm more of the contenders where one
-wins), once per key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
+reference are timed for ``confirm`` rounds more and the pick is made again over all their rounds; where the
+reference wins, so are it and every path within ``margin`` of it (a near miss). A probe costs about
+(2 + repeats) forwards of each competitive path (and confirm more of the contenders of a close call), once per
+key and process. It runs under ``torch.no_grad`` and outside any dispatch mode (e.g. the FLOP
 counter), so it neither builds graphs nor counts as the model's work.
 
 Disk cache (opt in with ``VISATTN_IMPL_CACHE=1``, or ``ImplProbe(disk_dir=...)``): one JSON file
@@ -223,9 +224,9 @@ class ImplProbe:
         margin: how much faster than the reference another path must be to replace it.
         give_up: paths whose warm-up took more than this times the fastest warm-up are not timed again.
         disk_dir: directory of the on-disk cache, or None for this process only.
-        confirm: more rounds before a path replaces the reference: where one wins, the reference and every path
-            that beat it are timed for this many rounds more, and the pick is made again over all their rounds
-            (0: never). On a 2-core AMD EPYC five rounds took, in one run of three, a path that was 4% slower
+        confirm: more rounds for a close call: where a path wins, the reference and every path that beat it are
+            timed for this many rounds more, and the pick is made again over all their rounds; where the
+            reference wins, it and every path within ``margin`` of it (0: never). On a 2-core AMD EPYC five rounds took, in one run of three, a path that was 4% slower
             than masked dense over 93 rounds (DiT-B/2 with 11 of 12 heads; docs/benchmarks.md, 18th session), and
             in 3 of 14 probes ``routed_kernel_dense`` at 0.87-0.91x masked dense where the bench read 1.00-1.02x,
             over the routed kernel's 0.93x (19th session). Resampled from 81 rounds of DiT-B/2 with 9 of 12 heads
@@ -290,14 +291,18 @@ class ImplProbe:
         return choice
 
     def _contenders(self, samples: Mapping[str, list[float]], path: str, reference: str) -> list[str]:
-        """The paths to time again where ``path`` won over ``reference``: the reference and every path that beat it
-        in the median of the rounds (empty where the reference won, or with ``confirm`` 0)."""
-        if not self.confirm or path == reference or reference not in samples:
+        """The paths to time again, the reference first: where ``path`` won over ``reference``, every path that beat
+        it in the median of the rounds; where the reference won, every path within ``margin`` of it (empty where
+        none is, or with ``confirm`` 0). The near misses too: in a ViT-S run on a 2-core AMD EPYC, five rounds read
+        ``routed_kernel`` at 1.001x masked dense for a layer with 5 of 6 heads, so masked dense was kept, where
+        the bench's 21 rounds read 0.931x (docs/benchmarks.md, 28th session)."""
+        if not self.confirm or reference not in samples:
             return []
         rounds = len(samples[reference])
-        beat = [name for name, times in samples.items()
-                if name != reference and len(times) == rounds and median_ratio(times, samples[reference]) < 1]
-        return [reference, *beat]
+        bound = 1.0 if path != reference else 1.0 + self.margin
+        close = [name for name, times in samples.items()
+                 if name != reference and len(times) == rounds and median_ratio(times, samples[reference]) < bound]
+        return [reference, *close] if close else []
 
     def _file(self, key: tuple) -> Path | None:
         if self.disk_dir is None:
