@@ -226,11 +226,12 @@ class ImplProbe:
         disk_dir: directory of the on-disk cache, or None for this process only.
         confirm: more rounds for a close call: where a path wins, the reference and every path that beat it are
             timed for this many rounds more, and the pick is made again over all their rounds; where the
-            reference wins, it and every path within ``margin`` of it (0: never). On a 2-core AMD EPYC five rounds took, in one run of three, a path that was 4% slower
-            than masked dense over 93 rounds (DiT-B/2 with 11 of 12 heads; docs/benchmarks.md, 18th session), and
-            in 3 of 14 probes ``routed_kernel_dense`` at 0.87-0.91x masked dense where the bench read 1.00-1.02x,
-            over the routed kernel's 0.93x (19th session). Resampled from 81 rounds of DiT-B/2 with 9 of 12 heads
-            there, five rounds ranked those two paths wrongly 9% of the time, fifteen 0.5% (20th session).
+            reference wins, it and every path within ``margin`` of it (0: never). On a 2-core AMD EPYC five rounds
+            took, in one run of three, a path that was 4% slower than masked dense over 93 rounds (DiT-B/2 with 11
+            of 12 heads; docs/benchmarks.md, 18th session), and in 3 of 14 probes ``routed_kernel_dense`` at
+            0.87-0.91x masked dense where the bench read 1.00-1.02x, over the routed kernel's 0.93x (19th session).
+            Resampled from 81 rounds of DiT-B/2 with 9 of 12 heads there, five rounds ranked those two paths
+            wrongly 9% of the time, fifteen 0.5% (20th session).
     """
 
     def __init__(
